@@ -1,0 +1,39 @@
+"""sparse-mla: exact DeepSeek Sparse Attention (DSA) prefill on Hopper, in Triton.
+
+Public entry points (semantics: ``sparse_mla.reference``; DESIGN.md):
+
+* ``sparse_mla_fwd``: sparse MLA prefill, per-token or grouped (union of G queries' top-k).
+* ``build_group_union``: the per-group union of top-k lists with membership bits.
+* ``sparse_mla_ref``: the fp32 reference.
+* ``SparseMLAWorkspace``: preallocated scratch for the grouped path.
+
+Attributes load lazily, so that a caller (the CLI, a test's conftest) can set TRITON_INTERPRET=1
+after ``import sparse_mla`` but before the first kernel module is imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "sparse_mla_fwd": "sparse_mla.interface",
+    "build_group_union": "sparse_mla.interface",
+    "GroupUnion": "sparse_mla.interface",
+    "sparse_mla_ref": "sparse_mla.reference",
+    "SparseMLAWorkspace": "sparse_mla.workspace",
+    "default_group_size": "sparse_mla.workspace",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'sparse_mla' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

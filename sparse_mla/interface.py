@@ -1,0 +1,206 @@
+"""Public entry points: ``sparse_mla_fwd`` and ``build_group_union``.
+
+Layering: Triton kernels (``sparse_mla.kernels``) <- launchers that take validated tensors and
+workspace buffers <- these functions, which validate, allocate (unless given a workspace and
+outputs) and pick the kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .kernels.sparse_mqa import D_V, sparse_mqa_grouped, sparse_mqa_per_token
+from .kernels.union import MAX_GROUP_SIZE, build_union, plan_groups
+from .selection import overlap_guard_ratio, resolve_method
+from .validation import validate_sparse_mla_args
+from .workspace import SparseMLAWorkspace, default_group_size
+
+logger = logging.getLogger("sparse_mla")
+
+
+def _require_kernel_device(t: torch.Tensor) -> None:
+    if t.device.type == "cuda":
+        return
+    if t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    raise ValueError(
+        f"q is on {t.device}: the Triton kernels need a CUDA device, or CPU tensors with TRITON_INTERPRET=1 "
+        "set before sparse_mla is imported; sparse_mla_ref runs on any device"
+    )
+
+
+def sparse_mla_fwd(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    *,
+    d_v: int = 512,
+    topk_length: torch.Tensor | None = None,
+    return_lse: bool = False,
+    method: str = "auto",
+    cu_seqlens_q: torch.Tensor | None = None,
+    check: bool = False,
+    workspace: SparseMLAWorkspace | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    group_size: int | None = None,
+    overlap_guard: float | None = -1.0,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MLA prefill (MQA / absorbed form): each query attends to its own top-k kv rows.
+
+    Semantics: ``sparse_mla.reference.sparse_mla_ref`` (DESIGN.md "Ground truth"); every method
+    returns that result up to bf16 rounding and fp32 summation order.
+
+    Args:
+        q: [T, H, D_qk] bf16 or fp16, CUDA (or CPU under TRITON_INTERPRET=1), last dim contiguous;
+            D_qk = 576 (kv_lora_rank 512 + qk_rope_head_dim 64) or 512 (NoPE). Any H >= 1.
+        kv: [N, D_qk] latent cache rows, or paged [num_blocks, block_size, D_qk] with block stride
+            block_size * D_qk; q's dtype and device. V is the first d_v columns of each row.
+        indices: [T, K] or [T, 1, K] int32 global rows; entries < 0 or >= N are padding (never read).
+        sm_scale: softmax scale multiplying q . k.
+        d_v: value width (512 = kv_lora_rank).
+        topk_length: optional [T] int32; only the first topk_length[t] entries of row t count.
+        return_lse: also return lse [T, H] fp32 (natural log; -inf for a query with no valid row).
+        method: "per_token" (one query's heads per tile), "grouped" (G = 128 // H consecutive
+            queries share a tile over the union of their rows), or "auto" (grouped when G >= 2).
+        cu_seqlens_q: optional [B + 1] int32 request boundaries of the T rows. Given: groups stay
+            inside requests and a request's last n % G rows run per token. Absent: groups run
+            token-major over all rows (ShardQ layout), the tail group is short.
+        check: checked mode: raise on a valid index >= N, a repeated row in one list, a bad
+            topk_length or cu_seqlens_q (syncs the device).
+        workspace: scratch for the grouped path (``SparseMLAWorkspace``); a call then allocates
+            no union buffers. Allocated per call when None.
+        out / lse: optional preallocated outputs, [T, H, d_v] q.dtype and [T, H] fp32.
+        group_size: queries per group (default ``default_group_size(H)``, 1..16).
+        overlap_guard: union rows / mean list length above which a group runs per token;
+            -1 = the default table (``selection.overlap_guard_ratio``), None = no guard.
+
+    Returns:
+        out [T, H, d_v] in q's dtype, or (out, lse) with return_lse=True.
+
+    Raises:
+        TypeError: wrong type or dtype of an argument (q/kv bf16 or fp16; indices, topk_length,
+            cu_seqlens_q int32).
+        ValueError: shape / device / layout mismatches, D_qk not in {512, 576}, d_v != 512, an
+            unknown method, a workspace that does not fit, CPU tensors without TRITON_INTERPRET=1,
+            and (check=True) bad index contents.
+    """
+    p = validate_sparse_mla_args(
+        q, kv, indices, sm_scale, d_v=d_v, topk_length=topk_length, cu_seqlens_q=cu_seqlens_q, check=check
+    )
+    T, H, D = p.q.shape
+    chosen, reason = resolve_method(method, H, T)
+    G = group_size if group_size is not None else default_group_size(H)
+    if chosen == "grouped" and not (1 <= G <= MAX_GROUP_SIZE and (G == 1 or G * H <= 128)):
+        raise ValueError(f"group_size must be in [1, {MAX_GROUP_SIZE}] with group_size * H <= 128, got {G} (H = {H})")
+    if out is None:
+        out = torch.empty(T, H, d_v, dtype=q.dtype, device=q.device)
+    elif out.shape != (T, H, d_v) or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+        raise ValueError(f"out must be [T, H, d_v] = [{T}, {H}, {d_v}] {q.dtype} on {q.device}, last dim contiguous; got {tuple(out.shape)} {out.dtype}")
+    if lse is None and return_lse:
+        lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    elif lse is not None and (lse.shape != (T, H) or lse.dtype != torch.float32 or not lse.is_contiguous()):
+        raise ValueError(f"lse must be contiguous [T, H] = [{T}, {H}] float32, got {tuple(lse.shape)} {lse.dtype}")
+    _require_kernel_device(p.q)
+    logger.debug("sparse_mla_fwd: T=%d H=%d K=%d -> %s (%s)", T, H, p.topk, chosen, reason)
+    if T == 0:
+        return (out, lse) if return_lse else out
+
+    if chosen == "per_token":
+        sparse_mqa_per_token(p.q, p.kv, p.indices, p.sm_scale, p.topk_length, out, lse)
+    else:
+        ws = workspace or SparseMLAWorkspace(T, p.topk, G, p.num_kv_rows, q.device)
+        ok, why = ws.fits(T, p.topk, G, p.num_kv_rows)
+        if not ok:
+            raise ValueError(f"workspace does not fit this call: {why}")
+        guard = overlap_guard_ratio(G) if overlap_guard == -1.0 else overlap_guard
+        _grouped_forward(p, G, ws, out, lse, guard)
+    return (out, lse) if return_lse else out
+
+
+def _grouped_forward(p, G: int, ws: SparseMLAWorkspace, out: torch.Tensor, lse: torch.Tensor | None,
+                     guard: float | None) -> None:
+    """Plan groups, build unions, run the grouped kernel, then the per-token kernel on the rest."""
+    T = p.num_tokens
+    n_groups = ws.max_groups if p.cu_seqlens_q is not None else -(-T // G)
+    gs, gl, ul = ws.group_start[:n_groups], ws.group_len[:n_groups], ws.union_len[:n_groups]
+    route = ws.route[:T]
+    plan_groups(T, G, p.cu_seqlens_q, gs, gl, route)
+    build_union(p.indices, p.topk_length, p.num_kv_rows, G, gs, gl, route,
+                ws.scratch, ws.union_rows, ws.union_bits, ul, guard_ratio=guard)
+    sparse_mqa_grouped(p.q, p.kv, p.sm_scale, G, ws.union_rows, ws.union_bits, ul, gs, gl, out, lse)
+    sparse_mqa_per_token(p.q, p.kv, p.indices, p.sm_scale, p.topk_length, out, lse, route=route)
+
+
+@dataclass
+class GroupUnion:
+    """Per-group union of top-k lists (``build_group_union``).
+
+    rows: [num_groups, U] int32, sorted ascending valid rows, -1 after the last.
+    member_mask: [num_groups, U] int32, bit i set iff the row is in query i's list.
+    lengths: [num_groups] int32, union size per group.
+    group_size: G. U = G * K (the no-overlap bound).
+    """
+
+    rows: torch.Tensor
+    member_mask: torch.Tensor
+    lengths: torch.Tensor
+    group_size: int
+
+
+def build_group_union(
+    indices: torch.Tensor,
+    group_size: int,
+    *,
+    topk_length: torch.Tensor | None = None,
+    num_kv_rows: int | None = None,
+) -> GroupUnion:
+    """Union of the top-k lists of ``group_size`` consecutive queries (token-major groups).
+
+    Args:
+        indices: [T, K] (or [T, 1, K]) int32 rows on CUDA (or CPU under TRITON_INTERPRET=1);
+            negative entries, entries past topk_length and entries >= num_kv_rows are padding.
+        group_size: G, 1..16; group g holds queries g*G .. g*G + G - 1; the last may be short.
+        topk_length: optional [T] int32.
+        num_kv_rows: N; rows >= N are dropped (default: no upper bound, 2**31 - 1).
+
+    Returns:
+        GroupUnion with rows / member_mask [ceil(T / G), G * K] int32 and lengths [ceil(T / G)].
+
+    Raises:
+        TypeError: non-int32 indices or topk_length. ValueError: bad shapes, group_size out of range.
+    """
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
+    if indices.dtype != torch.int32:
+        raise TypeError(f"indices must be int32 [T, K], got {indices.dtype}")
+    if indices.dim() == 3 and indices.shape[1] == 1:
+        indices = indices[:, 0]
+    if indices.dim() != 2 or indices.shape[1] < 1:
+        raise ValueError(f"indices must be [T, K] or [T, 1, K] with K >= 1, got shape {tuple(indices.shape)}")
+    if not isinstance(group_size, int) or not 1 <= group_size <= MAX_GROUP_SIZE:
+        raise ValueError(f"group_size must be an int in [1, {MAX_GROUP_SIZE}], got {group_size!r}")
+    T, K = indices.shape
+    if topk_length is not None:
+        if topk_length.dtype != torch.int32 or topk_length.shape != (T,):
+            raise TypeError(f"topk_length must be int32 [T] = [{T}], got {topk_length.dtype} {tuple(topk_length.shape)}")
+        topk_length = topk_length.contiguous()
+    _require_kernel_device(indices)
+    indices = indices.contiguous()
+    N = 2**31 - 1 if num_kv_rows is None else int(num_kv_rows)
+    n_groups = -(-T // group_size)
+    ws = SparseMLAWorkspace(max(T, 1), K, group_size, N, indices.device)
+    gs, gl, ul = ws.group_start[:n_groups], ws.group_len[:n_groups], ws.union_len[:n_groups]
+    if T > 0:
+        plan_groups(T, group_size, None, gs, gl, ws.route[:T])
+        build_union(indices, topk_length, N, group_size, gs, gl, ws.route[:T],
+                    ws.scratch, ws.union_rows, ws.union_bits, ul, fill=True)
+    return GroupUnion(ws.union_rows[:n_groups], ws.union_bits[:n_groups], ul, group_size)
+
+
+__all__ = ["sparse_mla_fwd", "build_group_union", "GroupUnion", "D_V"]

@@ -1,0 +1,186 @@
+"""The sparse MQA attention kernel: per-token and grouped (union + membership) in one body.
+
+A program owns a tile of BLOCK_M "pseudo-heads" of one *group* and loops over that group's
+rows in BLOCK_N chunks, gathering each kv row once ([BLOCK_N, 512] NoPE part, also used as V,
+plus [BLOCK_N, 64] RoPE part when D_qk = 576), with an online softmax in base 2.
+
+* Per-token mode (GROUPED = False): the group is one query token; its pseudo-heads are its heads,
+  its rows are its own ``indices[t]`` (validity computed in the kernel: >= 0, < N, before
+  ``topk_length[t]``). With ``ROUTE`` given, a token whose route is 0 is left to the grouped
+  launch and its program returns at once.
+* Grouped mode (GROUPED = True): the group is ``group_len[g]`` consecutive query rows starting at
+  ``group_start[g]``; pseudo-head p is head ``p % H`` of query ``p // H``; its rows are the
+  sorted union rows of the group, and a row counts for query i only where bit i of its
+  membership word is set. ``group_len[g] == 0`` means "not grouped" and the program returns.
+
+Both modes compute exactly the per-token definition of ``sparse_mla.reference``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+D_V = 512
+D_PE = 64
+
+
+@triton.jit
+def _sparse_mqa_fwd_kernel(
+    Q, KV, IDX, TOPK_LEN, ROWS, BITS, ULEN, GROUP_START, GROUP_LEN, ROUTE, OUT, LSE,
+    stride_qt, stride_qh, stride_kvn, stride_it, stride_rg, stride_ot, stride_oh, stride_lt,
+    N, H, K, scale_log2,
+    GROUPED: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, HAS_ROUTE: tl.constexpr,
+    HAS_PE: tl.constexpr, GROUP_HEADS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_V: tl.constexpr, D_PE: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    gid = tl.program_id(1)
+    if GROUPED:
+        glen = tl.load(GROUP_LEN + gid)
+        t0 = tl.load(GROUP_START + gid)
+        n_end = tl.load(ULEN + gid)
+    else:
+        glen = 1
+        t0 = gid
+        n_end = K
+        if HAS_TOPK_LEN:
+            n_end = tl.minimum(tl.maximum(tl.load(TOPK_LEN + gid), 0), K)
+        if HAS_ROUTE:
+            glen = (tl.load(ROUTE + gid) != 0).to(tl.int32)
+    if glen > 0:
+        offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        qi = offs_p // H  # query of the group owning pseudo-head p
+        hh = offs_p % H
+        p_ok = (offs_p < GROUP_HEADS) & (qi < glen)
+        tok = (t0 + qi).to(tl.int64)
+        offs_v = tl.arange(0, D_V)
+        q_row = Q + tok * stride_qt + hh * stride_qh
+        q_nope = tl.load(q_row[:, None] + offs_v[None, :], mask=p_ok[:, None], other=0.0)
+        if HAS_PE:
+            offs_pe = tl.arange(0, D_PE)
+            q_pe = tl.load(q_row[:, None] + D_V + offs_pe[None, :], mask=p_ok[:, None], other=0.0)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_V], tl.float32)
+        for start_n in range(0, n_end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            in_list = offs_n < n_end
+            if GROUPED:
+                rows = tl.load(ROWS + gid.to(tl.int64) * stride_rg + offs_n, mask=in_list, other=-1)
+                bits = tl.load(BITS + gid.to(tl.int64) * stride_rg + offs_n, mask=in_list, other=0)
+                row_ok = in_list & (rows >= 0)
+                allowed = (((bits[None, :] >> qi[:, None]) & 1) != 0) & row_ok[None, :]
+            else:
+                rows = tl.load(IDX + gid.to(tl.int64) * stride_it + offs_n, mask=in_list, other=-1)
+                row_ok = in_list & (rows >= 0) & (rows < N)
+                allowed = row_ok[None, :]
+            kv_row = KV + rows.to(tl.int64) * stride_kvn
+            kv_nope = tl.load(kv_row[:, None] + offs_v[None, :], mask=row_ok[:, None], other=0.0)
+            qk = tl.dot(q_nope, tl.trans(kv_nope))
+            if HAS_PE:
+                kv_pe = tl.load(kv_row[:, None] + D_V + offs_pe[None, :], mask=row_ok[:, None], other=0.0)
+                qk = tl.dot(q_pe, tl.trans(kv_pe), qk)
+            qk = tl.where(allowed, qk * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.math.exp2(m_i - m_safe)
+            p = tl.math.exp2(qk - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(kv_nope.dtype), kv_nope, acc)
+            m_i = m_new
+
+        has_any = l_i > 0.0
+        out = acc / tl.where(has_any, l_i, 1.0)[:, None]
+        o_row = OUT + tok * stride_ot + hh * stride_oh
+        tl.store(o_row[:, None] + offs_v[None, :], out.to(OUT.dtype.element_ty), mask=p_ok[:, None])
+        if LSE is not None:
+            lse = tl.where(has_any, (m_i + tl.math.log2(tl.where(has_any, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
+            tl.store(LSE + tok * stride_lt + hh, lse, mask=p_ok)
+
+
+def block_m_for_heads(num_pseudo_heads: int) -> int:
+    """Pseudo-heads per program: the MMA minimum of 16, else the next power of two, at most 64."""
+    return min(64, max(16, triton.next_power_of_2(num_pseudo_heads)))
+
+
+def _launch_config(block_m: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for a tile of block_m pseudo-heads (tuned on the H200: NOTES-GPU.md)."""
+    if block_m >= 64:
+        return 64, 8, 2
+    if block_m >= 32:
+        return 64, 4, 2
+    return 64, 4, 2
+
+
+def sparse_mqa_per_token(
+    q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+    topk_length: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor | None,
+    route: torch.Tensor | None = None,
+) -> None:
+    """Launch the per-token kernel on validated inputs (see ``sparse_mla_fwd``).
+
+    q [T, H, D_qk], kv [N, D_qk], indices [T, K] int32, out [T, H, 512] (written),
+    lse [T, H] fp32 or None, route [T] int8/int32 or None (0 = skip the token).
+    """
+    T, H, D = q.shape
+    if T == 0:
+        return
+    block_m = block_m_for_heads(H)
+    block_n, warps, stages = _launch_config(block_m)
+    grid = (triton.cdiv(H, block_m), T)
+    dummy = indices
+    _sparse_mqa_fwd_kernel[grid](
+        q, kv, indices, topk_length if topk_length is not None else dummy, dummy, dummy, dummy, dummy, dummy,
+        route if route is not None else dummy, out, lse,
+        q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), 0, out.stride(0), out.stride(1),
+        lse.stride(0) if lse is not None else 0,
+        kv.shape[0], H, indices.shape[1], sm_scale * LOG2E,
+        GROUPED=False, HAS_TOPK_LEN=topk_length is not None, HAS_ROUTE=route is not None,
+        HAS_PE=D > D_V, GROUP_HEADS=H,
+        BLOCK_M=block_m, BLOCK_N=block_n, D_V=D_V, D_PE=D_PE,
+        num_warps=warps, num_stages=stages,
+    )
+
+
+def sparse_mqa_grouped(
+    q: torch.Tensor, kv: torch.Tensor, sm_scale: float, group_size: int,
+    union_rows: torch.Tensor, union_bits: torch.Tensor, union_len: torch.Tensor,
+    group_start: torch.Tensor, group_len: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
+    block_m: int | None = None,
+) -> None:
+    """Launch the grouped kernel: one program per (pseudo-head block, group).
+
+    union_rows / union_bits [num_groups, U] int32, union_len / group_start / group_len
+    [num_groups] int32 (group_len 0 = the group is not run here).
+    """
+    T, H, D = q.shape
+    num_groups = group_start.shape[0]
+    if num_groups == 0:
+        return
+    pseudo = group_size * H
+    block_m = block_m or block_m_for_heads(pseudo)
+    block_n, warps, stages = _launch_config(block_m)
+    grid = (triton.cdiv(pseudo, block_m), num_groups)
+    _sparse_mqa_fwd_kernel[grid](
+        q, kv, union_rows, union_rows, union_rows, union_bits, union_len, group_start, group_len, group_len, out, lse,
+        q.stride(0), q.stride(1), kv.stride(0), 0, union_rows.stride(0), out.stride(0), out.stride(1),
+        lse.stride(0) if lse is not None else 0,
+        kv.shape[0], H, union_rows.shape[1], sm_scale * LOG2E,
+        GROUPED=True, HAS_TOPK_LEN=False, HAS_ROUTE=False,
+        HAS_PE=D > D_V, GROUP_HEADS=pseudo,
+        BLOCK_M=block_m, BLOCK_N=block_n, D_V=D_V, D_PE=D_PE,
+        num_warps=warps, num_stages=stages,
+    )
+
+
+def useful_flops(num_heads: int, valid_rows: int, d_qk: int, d_v: int = D_V) -> int:
+    """Useful FLOPs of per-token sparse MLA: 2 * H * K_valid * (D_qk + D_v) summed over queries."""
+    return 2 * num_heads * valid_rows * (d_qk + d_v)
+
+
+__all__ = ["sparse_mqa_per_token", "sparse_mqa_grouped", "block_m_for_heads", "useful_flops"]

@@ -1,0 +1,185 @@
+"""Group planning and the top-k union builder (Triton).
+
+``plan_groups`` splits the T query rows into groups of G consecutive rows, either within requests
+(``cu_seqlens_q`` given: a request's last ``n % G`` rows are routed per token) or token-major over
+all rows (the short tail group is kept as a short group). It writes ``group_start``, ``group_len``
+and a per-token ``route`` (1 = the per-token kernel computes this token).
+
+``build_union`` makes, per group, the sorted distinct valid rows of its G lists and a membership
+word per row (bit i set iff the row is in query i's list). Its cost is O(G K log^2(G K)) per group,
+independent of the sequence length: each entry becomes the key ``row * G_P + i`` (G_P = G rounded up
+to a power of two), the group's G * K keys are sorted in registers (``tl.sort``, bitonic), a row's
+first key marks a union row, the at most G equal rows after it give the membership bits, and a
+prefix sum compacts the union. Keys are int32 while ``N * G_P < 2**31`` and int64 beyond (the
+stated fallback), and G <= 16.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_GROUP_SIZE = 16
+
+
+@triton.jit
+def _plan_groups_kernel(
+    CU, GROUP_START, GROUP_LEN, ROUTE, B, T, max_groups,
+    G: tl.constexpr, SHORT_TAIL: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    offs_b = tl.arange(0, BLOCK_B)
+    if SHORT_TAIL:
+        # token-major: one span [0, T), the tail forms a short group
+        seq_begin = 0
+        seq_end = T
+        first_group = 0
+        n_groups = tl.cdiv(T, G)
+        grouped_end = T
+        total_groups = n_groups
+    else:
+        cu_lo = tl.load(CU + offs_b, mask=offs_b < B, other=0)
+        cu_hi = tl.load(CU + 1 + offs_b, mask=offs_b < B, other=0)
+        cu_lo = tl.minimum(tl.maximum(cu_lo, 0), T)
+        cu_hi = tl.minimum(tl.maximum(cu_hi, cu_lo), T)
+        full = (cu_hi - cu_lo) // G
+        first_group = tl.sum(tl.where(offs_b < b, full, 0), 0)
+        total_groups = tl.sum(full, 0)
+        seq_begin = tl.sum(tl.where(offs_b == b, cu_lo, 0), 0)
+        seq_end = tl.sum(tl.where(offs_b == b, cu_hi, 0), 0)
+        n_groups = (seq_end - seq_begin) // G
+        grouped_end = seq_begin + n_groups * G
+    for j0 in range(0, n_groups, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        ok = (j < n_groups) & (first_group + j < max_groups)
+        start = seq_begin + j * G
+        tl.store(GROUP_START + first_group + j, start, mask=ok)
+        tl.store(GROUP_LEN + first_group + j, tl.minimum(seq_end - start, G), mask=ok)
+    for t0 in range(seq_begin, seq_end, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        tl.store(ROUTE + t, (t >= grouped_end).to(tl.int8), mask=t < seq_end)
+    if b == B - 1:  # the last program clears the unused group slots
+        for j0 in range(total_groups, max_groups, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            ok = j < max_groups
+            tl.store(GROUP_START + j, tl.zeros([BLOCK], tl.int32), mask=ok)
+            tl.store(GROUP_LEN + j, tl.zeros([BLOCK], tl.int32), mask=ok)
+
+
+@triton.jit
+def _build_union_kernel(
+    IDX, TOPK_LEN, GROUP_START, GROUP_LEN, ROUTE, SCRATCH, ROWS, BITS, ULEN,
+    stride_it, stride_sg, stride_rg, N, K, U_MAX, guard_ratio,
+    G_P: tl.constexpr, LOG_G: tl.constexpr, K_P: tl.constexpr,
+    HAS_TOPK_LEN: tl.constexpr, KEY64: tl.constexpr, GUARD: tl.constexpr, FILL: tl.constexpr,
+):
+    g = tl.program_id(0)
+    glen = tl.load(GROUP_LEN + g)
+    TOTAL: tl.constexpr = G_P * K_P
+    offs = tl.arange(0, TOTAL)
+    if glen <= 0:
+        tl.store(ULEN + g, 0)
+        if FILL:
+            tl.store(ROWS + g.to(tl.int64) * stride_rg + offs, -1, mask=offs < U_MAX)
+            tl.store(BITS + g.to(tl.int64) * stride_rg + offs, 0, mask=offs < U_MAX)
+    else:
+        t0 = tl.load(GROUP_START + g)
+        offs_i = tl.arange(0, G_P)
+        offs_k = tl.arange(0, K_P)
+        q_ok = offs_i < glen
+        tok = (t0 + offs_i).to(tl.int64)
+        count = tl.full([G_P], K, tl.int32)
+        if HAS_TOPK_LEN:
+            count = tl.minimum(tl.load(TOPK_LEN + tok, mask=q_ok, other=0), K)
+        in_list = q_ok[:, None] & (offs_k[None, :] < count[:, None])
+        idx = tl.load(IDX + tok[:, None] * stride_it + offs_k[None, :], mask=in_list, other=-1)
+        valid = in_list & (idx >= 0) & (idx < N)
+        if KEY64:
+            sentinel = tl.full([G_P, K_P], 9223372036854775807, tl.int64)
+            key = tl.where(valid, (idx.to(tl.int64) << LOG_G) + offs_i[:, None], sentinel)
+        else:
+            sentinel = tl.full([G_P, K_P], 2147483647, tl.int32)
+            key = tl.where(valid, (idx << LOG_G) + offs_i[:, None], sentinel)
+        key = tl.sort(tl.reshape(key, [TOTAL]))
+        big = tl.max(sentinel)
+        base = SCRATCH + g.to(tl.int64) * stride_sg
+        tl.store(base + offs, key)
+        tl.debug_barrier()
+        is_valid = key != big
+        row = key >> LOG_G
+        prev = tl.load(base + offs - 1, mask=offs > 0, other=big)
+        first = is_valid & ((prev == big) | ((prev >> LOG_G) != row) | (offs == 0))
+        bits = tl.zeros([TOTAL], tl.int32)
+        for r in tl.static_range(G_P):
+            nxt = tl.load(base + offs + r, mask=offs + r < TOTAL, other=big)
+            hit = (nxt != big) & ((nxt >> LOG_G) == row)
+            bits = bits | tl.where(hit, (1 << (nxt & (G_P - 1))).to(tl.int32), 0)
+        first_i = first.to(tl.int32)
+        pos = tl.cumsum(first_i, 0) - 1
+        u = tl.sum(first_i, 0)
+        out_rows = ROWS + g.to(tl.int64) * stride_rg
+        out_bits = BITS + g.to(tl.int64) * stride_rg
+        tl.store(out_rows + pos, row.to(tl.int32), mask=first)
+        tl.store(out_bits + pos, bits, mask=first)
+        if FILL:
+            tl.store(out_rows + offs, -1, mask=(offs >= u) & (offs < U_MAX))
+            tl.store(out_bits + offs, 0, mask=(offs >= u) & (offs < U_MAX))
+        tl.store(ULEN + g, u)
+        if GUARD:
+            n_valid = tl.sum(tl.sum(valid.to(tl.int32), 1), 0)
+            # union rows per mean valid list: too many and grouping is slower than per token
+            if u.to(tl.float32) * glen.to(tl.float32) > guard_ratio * n_valid.to(tl.float32):
+                tl.store(GROUP_LEN + g, 0)
+                tl.store(ROUTE + tok, tl.full([G_P], 1, tl.int8), mask=q_ok)
+
+
+def plan_groups(
+    num_tokens: int, group_size: int, cu_seqlens_q: torch.Tensor | None,
+    group_start: torch.Tensor, group_len: torch.Tensor, route: torch.Tensor,
+) -> None:
+    """Fill group_start / group_len ([max_groups] int32) and route ([>= T] int8) on the device."""
+    max_groups = group_start.shape[0]
+    if cu_seqlens_q is None:
+        B, cu, short_tail = 1, group_start, True
+    else:
+        B, cu, short_tail = cu_seqlens_q.shape[0] - 1, cu_seqlens_q, False
+    _plan_groups_kernel[(B,)](
+        cu, group_start, group_len, route, B, num_tokens, max_groups,
+        G=group_size, SHORT_TAIL=short_tail, BLOCK_B=triton.next_power_of_2(B), BLOCK=1024,
+    )
+
+
+def union_key_is_64bit(num_kv_rows: int, group_size: int) -> bool:
+    """Whether row * G_P overflows int32 keys (then the int64-key fallback runs)."""
+    return num_kv_rows * triton.next_power_of_2(group_size) >= 2**31 - 1
+
+
+def build_union(
+    indices: torch.Tensor, topk_length: torch.Tensor | None, num_kv_rows: int, group_size: int,
+    group_start: torch.Tensor, group_len: torch.Tensor, route: torch.Tensor,
+    scratch: torch.Tensor, rows: torch.Tensor, bits: torch.Tensor, union_len: torch.Tensor,
+    guard_ratio: float | None = None, fill: bool = False,
+) -> None:
+    """Launch the union builder over ``group_start.shape[0]`` groups (buffers from a workspace).
+
+    With ``guard_ratio``, a group whose union holds more than ``guard_ratio`` times its mean valid
+    list length gets ``group_len = 0`` and its tokens ``route = 1`` (they run per token).
+    """
+    num_groups = group_start.shape[0]
+    if num_groups == 0:
+        return
+    K = indices.shape[1]
+    g_p = triton.next_power_of_2(group_size)
+    k_p = triton.next_power_of_2(K)
+    total = g_p * k_p
+    warps = 4 if total <= 2048 else (8 if total <= 8192 else 16)
+    _build_union_kernel[(num_groups,)](
+        indices, topk_length if topk_length is not None else indices, group_start, group_len, route,
+        scratch, rows, bits, union_len,
+        indices.stride(0), scratch.stride(0), rows.stride(0), num_kv_rows, K, rows.shape[1],
+        float(guard_ratio or 0.0),
+        G_P=g_p, LOG_G=g_p.bit_length() - 1, K_P=k_p,
+        HAS_TOPK_LEN=topk_length is not None, KEY64=scratch.dtype == torch.int64,
+        GUARD=guard_ratio is not None, FILL=fill, num_warps=warps,
+    )

@@ -1,0 +1,80 @@
+"""The fp32 reference of per-token sparse MLA (the MQA / absorbed form).
+
+This is the definition every fast path reproduces (``../shared/DESIGN.md``, "Ground truth"):
+
+    valid_j   = indices[t, j] >= 0 and indices[t, j] < N and j < topk_length[t]
+    s_j       = sm_scale * q[t, h] . kv[indices[t, j]]            (over all D_qk columns)
+    lse[t, h] = log(sum_{valid j} exp(s_j))                        (natural log)
+    out[t, h] = sum_{valid j} exp(s_j - lse[t, h]) * kv[indices[t, j], :d_v]
+
+A query with no valid index gets ``out = 0`` and ``lse = -inf``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .validation import validate_sparse_mla_args
+
+
+def sparse_mla_ref(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    sm_scale: float,
+    *,
+    d_v: int = 512,
+    topk_length: torch.Tensor | None = None,
+    return_lse: bool = True,
+    method: str = "reference",
+    cu_seqlens_q: torch.Tensor | None = None,
+    check: bool = False,
+    chunk_tokens: int = 16,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 reference of sparse MLA prefill; same arguments as ``sparse_mla_fwd``.
+
+    Args:
+        q: [T, H, D_qk] bf16/fp16/fp32, any device; D_qk in {512, 576}.
+        kv: [N, D_qk] (or paged [num_blocks, block_size, D_qk]) with q's dtype and device.
+        indices: [T, K] or [T, 1, K] int32 global kv rows; < 0, >= N, or past topk_length = padding.
+        sm_scale: softmax scale applied to q . k.
+        d_v: value width, the first d_v columns of each kv row (512).
+        topk_length: optional [T] int32, only the first topk_length[t] entries of row t count.
+        return_lse, method, cu_seqlens_q: accepted for signature parity; ignored (the result
+            does not depend on them). The reference always returns ``(out, lse)``.
+        check: verify index ranges and distinctness (raises ValueError).
+        chunk_tokens: tokens evaluated at once (bounds the [chunk, K, D_qk] fp32 gather).
+
+    Returns:
+        out: [T, H, d_v] fp32 on q's device. lse: [T, H] fp32, natural log, -inf for a query
+        with no valid index (its out row is 0).
+
+    Raises:
+        TypeError, ValueError: as ``validate_sparse_mla_args``.
+    """
+    del return_lse, method
+    p = validate_sparse_mla_args(
+        q, kv, indices, sm_scale, d_v=d_v, topk_length=topk_length, cu_seqlens_q=cu_seqlens_q,
+        check=check, allowed_dtypes=(torch.bfloat16, torch.float16, torch.float32),
+    )
+    T, H, _ = p.q.shape
+    K, N = p.topk, p.num_kv_rows
+    kv32 = p.kv.float()
+    out = torch.empty(T, H, d_v, dtype=torch.float32, device=q.device)
+    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    cols = torch.arange(K, device=q.device)
+    for t0 in range(0, T, chunk_tokens):
+        t1 = min(T, t0 + chunk_tokens)
+        idx = p.indices[t0:t1].long()
+        valid = (idx >= 0) & (idx < N)
+        if p.topk_length is not None:
+            valid &= cols[None, :] < p.topk_length[t0:t1, None].long()
+        rows = kv32[torch.where(valid, idx, 0)]  # [t, K, D_qk]
+        s = torch.einsum("thd,tkd->thk", p.q[t0:t1].float(), rows) * p.sm_scale
+        s = s.masked_fill(~valid[:, None, :], float("-inf"))
+        chunk_lse = torch.logsumexp(s, dim=-1)  # -inf where no valid entry
+        any_valid = valid.any(dim=-1)[:, None, None]
+        probs = torch.where(any_valid, torch.exp(s - chunk_lse[..., None]), 0.0)
+        out[t0:t1] = torch.einsum("thk,tkd->thd", probs, rows[..., :d_v])
+        lse[t0:t1] = chunk_lse
+    return out, lse

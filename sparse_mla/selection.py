@@ -1,0 +1,41 @@
+"""Choosing between the per-token and the grouped sparse MQA kernels (plain Python, CPU-testable).
+
+Thresholds live here, in one table, with where they came from (NOTES-GPU.md has the runs).
+"""
+
+from __future__ import annotations
+
+from .workspace import default_group_size
+
+METHODS = ("auto", "per_token", "grouped")
+
+# Overlap guard: a group whose union holds more than this many of its mean list length goes per
+# token. Published break-even at 16 heads, G = 8: ~5.8 lists (DESIGN.md); expressed as a fraction
+# of G (the no-overlap union) so that it carries over to other G.
+GUARD_FRACTION_OF_G = 5.8 / 8
+
+# method="auto" groups only when a tile holds at least this many queries (G = 128 // H).
+MIN_GROUP_SIZE_FOR_AUTO = 2
+
+
+def overlap_guard_ratio(group_size: int) -> float:
+    """Union rows / mean valid rows per query above which a group runs per token."""
+    return GUARD_FRACTION_OF_G * group_size
+
+
+def resolve_method(method: str, num_heads: int, num_tokens: int) -> tuple[str, str]:
+    """Map ``method`` ("auto", "per_token", "grouped") to the kernel that runs, with the reason.
+
+    Raises:
+        ValueError: an unknown method name.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method != "auto":
+        return method, "forced by method="
+    G = default_group_size(num_heads)
+    if G < MIN_GROUP_SIZE_FOR_AUTO:
+        return "per_token", f"H = {num_heads} fills a 128-row tile alone (G = {G})"
+    if num_tokens < G:
+        return "per_token", f"T = {num_tokens} < G = {G}: no full group"
+    return "grouped", f"G = {G} queries per tile; groups over the overlap guard run per token"

@@ -1,0 +1,81 @@
+"""Scratch space for the grouped path, sized once from the largest step.
+
+An engine creates one ``SparseMLAWorkspace`` per device at start-up (from its max batched tokens,
+topk and heads per rank) and passes it to every ``sparse_mla_fwd`` call; a step then allocates no
+device memory for the union (outputs too, with ``out=`` / ``lse=``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from .kernels.union import MAX_GROUP_SIZE, union_key_is_64bit
+
+
+def default_group_size(num_heads: int) -> int:
+    """G = 128 // H queries per 128-pseudo-head tile, capped at 16 (the union sort width)."""
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+    return max(1, min(16, 128 // num_heads))
+
+
+@dataclass
+class SparseMLAWorkspace:
+    """Every scratch buffer of the grouped path, for up to ``max_tokens`` query rows.
+
+    Buffers (device ``device``): ``group_start``, ``group_len``, ``union_len`` [max_groups] int32;
+    ``route`` [max_tokens] int8; ``scratch`` [max_groups, G_P * K_P] int32 (int64 when
+    N * G_P >= 2**31) of sorted keys; ``union_rows``, ``union_bits`` [max_groups, G * K] int32.
+    About ``max_tokens * K * 16`` bytes at G = 8 (0.5 GiB for 16K tokens, topk 2048).
+    """
+
+    max_tokens: int
+    topk: int
+    group_size: int
+    max_kv_rows: int
+    device: torch.device
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.group_size <= MAX_GROUP_SIZE:
+            raise ValueError(f"group_size must be in [1, {MAX_GROUP_SIZE}], got {self.group_size}")
+        if self.max_tokens < 1 or self.topk < 1:
+            raise ValueError(f"max_tokens and topk must be >= 1, got {self.max_tokens}, {self.topk}")
+        G, K = self.group_size, self.topk
+        self.max_groups = triton.cdiv(self.max_tokens, G)
+        g_p, k_p = triton.next_power_of_2(G), triton.next_power_of_2(K)
+        key_dtype = torch.int64 if union_key_is_64bit(self.max_kv_rows, G) else torch.int32
+        dev = torch.device(self.device)
+        self.group_start = torch.zeros(self.max_groups, dtype=torch.int32, device=dev)
+        self.group_len = torch.zeros(self.max_groups, dtype=torch.int32, device=dev)
+        self.union_len = torch.zeros(self.max_groups, dtype=torch.int32, device=dev)
+        self.route = torch.zeros(self.max_tokens, dtype=torch.int8, device=dev)
+        self.scratch = torch.empty(self.max_groups, g_p * k_p, dtype=key_dtype, device=dev)
+        self.union_rows = torch.empty(self.max_groups, G * K, dtype=torch.int32, device=dev)
+        self.union_bits = torch.empty(self.max_groups, G * K, dtype=torch.int32, device=dev)
+
+    @classmethod
+    def for_problem(cls, num_tokens: int, topk: int, num_heads: int, num_kv_rows: int,
+                    device: torch.device | str, group_size: int | None = None) -> "SparseMLAWorkspace":
+        """A workspace for ``num_tokens`` rows of ``num_heads`` heads (G from ``default_group_size``)."""
+        G = group_size or default_group_size(num_heads)
+        return cls(num_tokens, topk, G, num_kv_rows, torch.device(device))
+
+    def fits(self, num_tokens: int, topk: int, group_size: int, num_kv_rows: int) -> tuple[bool, str]:
+        """Whether a call fits this workspace, with the reason when it does not."""
+        if num_tokens > self.max_tokens:
+            return False, f"{num_tokens} tokens > max_tokens {self.max_tokens}"
+        if topk != self.topk:
+            return False, f"topk {topk} != workspace topk {self.topk}"
+        if group_size != self.group_size:
+            return False, f"group_size {group_size} != workspace group_size {self.group_size}"
+        if union_key_is_64bit(num_kv_rows, group_size) and self.scratch.dtype != torch.int64:
+            return False, f"{num_kv_rows} kv rows need 64-bit union keys; build the workspace with max_kv_rows >= N"
+        return True, ""
+
+    def nbytes(self) -> int:
+        """Device bytes held."""
+        return sum(t.numel() * t.element_size() for t in (
+            self.group_start, self.group_len, self.union_len, self.route, self.scratch, self.union_rows, self.union_bits))
