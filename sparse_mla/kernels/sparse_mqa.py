@@ -108,30 +108,35 @@ def block_m_for_heads(num_pseudo_heads: int) -> int:
     return min(64, max(16, triton.next_power_of_2(num_pseudo_heads)))
 
 
-def _launch_config(block_m: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for a tile of block_m pseudo-heads (tuned on the H200: NOTES-GPU.md)."""
-    if block_m >= 64:
-        return 64, 8, 2
-    if block_m >= 32:
-        return 64, 4, 2
-    return 64, 4, 2
+# (BLOCK_N, num_warps, num_stages) per BLOCK_M, measured on the H200 (NOTES-GPU.md, scripts/gpu_tune.py).
+LAUNCH_CONFIGS: dict[int, tuple[int, int, int]] = {
+    16: (64, 4, 2),
+    32: (64, 4, 2),
+    64: (64, 8, 2),
+    128: (64, 16, 2),
+}
+
+
+def _launch_config(block_m: int, config: tuple[int, int, int] | None) -> tuple[int, int, int]:
+    return config or LAUNCH_CONFIGS[block_m]
 
 
 def sparse_mqa_per_token(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
     topk_length: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor | None,
-    route: torch.Tensor | None = None,
+    route: torch.Tensor | None = None, config: tuple[int, int, int] | None = None,
 ) -> None:
     """Launch the per-token kernel on validated inputs (see ``sparse_mla_fwd``).
 
     q [T, H, D_qk], kv [N, D_qk], indices [T, K] int32, out [T, H, 512] (written),
-    lse [T, H] fp32 or None, route [T] int8/int32 or None (0 = skip the token).
+    lse [T, H] fp32 or None, route [T] int8/int32 or None (0 = skip the token);
+    config overrides (BLOCK_N, num_warps, num_stages) for tuning.
     """
     T, H, D = q.shape
     if T == 0:
         return
     block_m = block_m_for_heads(H)
-    block_n, warps, stages = _launch_config(block_m)
+    block_n, warps, stages = _launch_config(block_m, config)
     grid = (triton.cdiv(H, block_m), T)
     dummy = indices
     _sparse_mqa_fwd_kernel[grid](
@@ -151,12 +156,13 @@ def sparse_mqa_grouped(
     q: torch.Tensor, kv: torch.Tensor, sm_scale: float, group_size: int,
     union_rows: torch.Tensor, union_bits: torch.Tensor, union_len: torch.Tensor,
     group_start: torch.Tensor, group_len: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
-    block_m: int | None = None,
+    block_m: int | None = None, config: tuple[int, int, int] | None = None,
 ) -> None:
     """Launch the grouped kernel: one program per (pseudo-head block, group).
 
     union_rows / union_bits [num_groups, U] int32, union_len / group_start / group_len
-    [num_groups] int32 (group_len 0 = the group is not run here).
+    [num_groups] int32 (group_len 0 = the group is not run here). block_m: pseudo-heads per
+    program (default ``block_m_for_heads``; 128 puts a whole 128-row group in one program).
     """
     T, H, D = q.shape
     num_groups = group_start.shape[0]
@@ -164,7 +170,7 @@ def sparse_mqa_grouped(
         return
     pseudo = group_size * H
     block_m = block_m or block_m_for_heads(pseudo)
-    block_n, warps, stages = _launch_config(block_m)
+    block_n, warps, stages = _launch_config(block_m, config)
     grid = (triton.cdiv(pseudo, block_m), num_groups)
     _sparse_mqa_fwd_kernel[grid](
         q, kv, union_rows, union_rows, union_rows, union_bits, union_len, group_start, group_len, group_len, out, lse,
