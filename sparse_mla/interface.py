@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernels.sparse_mqa import D_V, sparse_mqa_grouped, sparse_mqa_per_token
-from .kernels.union import MAX_GROUP_SIZE, build_union, plan_groups
+from .kernels.union import MAX_GROUP_SIZE, build_union_hash, plan_groups
 from .selection import overlap_guard_ratio, resolve_method
 from .validation import validate_sparse_mla_args
 from .workspace import SparseMLAWorkspace, default_group_size
@@ -131,8 +131,8 @@ def _grouped_forward(p, G: int, ws: SparseMLAWorkspace, out: torch.Tensor, lse: 
     gs, gl, ul = ws.group_start[:n_groups], ws.group_len[:n_groups], ws.union_len[:n_groups]
     route = ws.route[:T]
     plan_groups(T, G, p.cu_seqlens_q, gs, gl, route)
-    build_union(p.indices, p.topk_length, p.num_kv_rows, G, gs, gl, route,
-                ws.scratch, ws.union_rows, ws.union_bits, ul, guard_ratio=guard)
+    build_union_hash(p.indices, p.topk_length, p.num_kv_rows, G, gs, gl, route, ws.union_tables,
+                     ws.union_table_bits, ws.union_rows, ws.union_bits, ul, guard_ratio=guard)
     sparse_mqa_grouped(p.q, p.kv, p.sm_scale, G, ws.union_rows, ws.union_bits, ul, gs, gl, out, lse)
     sparse_mqa_per_token(p.q, p.kv, p.indices, p.sm_scale, p.topk_length, out, lse, route=route)
 
@@ -196,11 +196,17 @@ def build_group_union(
     n_groups = -(-T // group_size)
     ws = SparseMLAWorkspace(max(T, 1), K, group_size, N, indices.device)
     gs, gl, ul = ws.group_start[:n_groups], ws.group_len[:n_groups], ws.union_len[:n_groups]
+    rows, bits = ws.union_rows[:n_groups], ws.union_bits[:n_groups]
     if T > 0:
         plan_groups(T, group_size, None, gs, gl, ws.route[:T])
-        build_union(indices, topk_length, N, group_size, gs, gl, ws.route[:T],
-                    ws.scratch, ws.union_rows, ws.union_bits, ul, fill=True)
-    return GroupUnion(ws.union_rows[:n_groups], ws.union_bits[:n_groups], ul, group_size)
+        build_union_hash(indices, topk_length, N, group_size, gs, gl, ws.route[:T], ws.union_tables,
+                         ws.union_table_bits, rows, bits, ul)
+    # The kernel's union is unsorted; this inspection API returns it sorted, -1 / 0 after the end.
+    in_union = torch.arange(rows.shape[1], device=rows.device)[None, :] < ul[:, None].long()
+    keys, order = torch.where(in_union, rows, torch.iinfo(torch.int32).max).sort(dim=1)
+    member = torch.where(in_union, bits, 0).gather(1, order)
+    rows = torch.where(keys == torch.iinfo(torch.int32).max, -1, keys)
+    return GroupUnion(rows, member, ul, group_size)
 
 
 __all__ = ["sparse_mla_fwd", "build_group_union", "GroupUnion", "D_V"]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .kernels.union import MAX_GROUP_SIZE, union_key_is_64bit
+from .kernels.union import MAX_GROUP_SIZE, hash_table_slots, union_key_is_64bit
 
 
 def default_group_size(num_heads: int) -> int:
@@ -20,6 +20,13 @@ def default_group_size(num_heads: int) -> int:
     if num_heads < 1:
         raise ValueError(f"num_heads must be >= 1, got {num_heads}")
     return max(1, min(16, 128 // num_heads))
+
+
+def _union_programs(device: torch.device) -> int:
+    """Persistent programs of the hash union builder: 2 per SM on a GPU, 2 under the interpreter."""
+    if device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 2
 
 
 @dataclass
@@ -55,6 +62,10 @@ class SparseMLAWorkspace:
         self.scratch = torch.empty(self.max_groups, g_p * k_p, dtype=key_dtype, device=dev)
         self.union_rows = torch.empty(self.max_groups, G * K, dtype=torch.int32, device=dev)
         self.union_bits = torch.empty(self.max_groups, G * K, dtype=torch.int32, device=dev)
+        n_tables = min(self.max_groups, _union_programs(dev))
+        slots = hash_table_slots(G, K)
+        self.union_tables = torch.full((n_tables, slots), -1, dtype=torch.int32, device=dev)
+        self.union_table_bits = torch.zeros((n_tables, slots), dtype=torch.int32, device=dev)
 
     @classmethod
     def for_problem(cls, num_tokens: int, topk: int, num_heads: int, num_kv_rows: int,
@@ -78,4 +89,5 @@ class SparseMLAWorkspace:
     def nbytes(self) -> int:
         """Device bytes held."""
         return sum(t.numel() * t.element_size() for t in (
-            self.group_start, self.group_len, self.union_len, self.route, self.scratch, self.union_rows, self.union_bits))
+            self.group_start, self.group_len, self.union_len, self.route, self.scratch, self.union_rows, self.union_bits,
+            self.union_tables, self.union_table_bits))

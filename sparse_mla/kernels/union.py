@@ -134,6 +134,79 @@ def _build_union_kernel(
                 tl.store(ROUTE + tok, tl.full([G_P], 1, tl.int8), mask=q_ok)
 
 
+@triton.jit
+def _build_union_hash_kernel(
+    IDX, TOPK_LEN, GROUP_START, GROUP_LEN, ROUTE, TABLE, TABLE_BITS, ROWS, BITS, ULEN,
+    stride_it, stride_rg, N, K, num_groups, guard_ratio,
+    G_P: tl.constexpr, K_P: tl.constexpr, LOG_S: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_TOPK_LEN: tl.constexpr, GUARD: tl.constexpr,
+):
+    """Persistent: program p owns hash table p (2**LOG_S slots, all -1 / 0 between calls) and
+    builds the unions of groups p, p + nprog, ... Open addressing with linear probing: every
+    entry CASes its row into its slot (a lane with nothing to insert CASes -1 -> -1, a no-op),
+    ORs its query bit into the slot's word, and an entry that found its row or an empty slot is
+    done. The first inserter of a row appends it to the union (prefix sum over the round); a
+    second pass reads the words back and resets the touched slots, so tables stay clean."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    S: tl.constexpr = 1 << LOG_S
+    TOTAL: tl.constexpr = G_P * K_P
+    table = TABLE + pid.to(tl.int64) * S
+    table_bits = TABLE_BITS + pid.to(tl.int64) * S
+    offs_i = tl.arange(0, G_P)
+    offs_k = tl.arange(0, K_P)
+    offs_c = tl.arange(0, BLOCK_C)
+    for g in range(pid, num_groups, nprog):
+        glen = tl.load(GROUP_LEN + g)
+        u = glen * 0
+        if glen > 0:
+            t0 = tl.load(GROUP_START + g)
+            q_ok = offs_i < glen
+            tok = (t0 + offs_i).to(tl.int64)
+            count = tl.full([G_P], K, tl.int32)
+            if HAS_TOPK_LEN:
+                count = tl.minimum(tl.load(TOPK_LEN + tok, mask=q_ok, other=0), K)
+            in_list = q_ok[:, None] & (offs_k[None, :] < count[:, None])
+            idx = tl.load(IDX + tok[:, None] * stride_it + offs_k[None, :], mask=in_list, other=-1)
+            valid = in_list & (idx >= 0) & (idx < N)
+            row = tl.reshape(tl.where(valid, idx, -1), [TOTAL])
+            qbit = tl.reshape(tl.broadcast_to((1 << offs_i)[:, None], [G_P, K_P]), [TOTAL])
+            act = tl.reshape(valid, [TOTAL])
+            h = ((row.to(tl.uint32) * 0x9E3779B1) >> (32 - LOG_S)).to(tl.int32)
+            g64 = pid.to(tl.int64) * 0 + g
+            out_rows = ROWS + g64 * stride_rg
+            out_bits = BITS + g64 * stride_rg
+            n_act = tl.sum(act.to(tl.int32), 0)
+            n_valid = n_act
+            while n_act > 0:
+                old = tl.atomic_cas(table + h, tl.full([TOTAL], -1, tl.int32), tl.where(act, row, -1))
+                placed = act & ((old == -1) | (old == row))
+                inserted = act & (old == -1)
+                tl.atomic_or(table_bits + h, qbit, mask=placed)
+                ins = inserted.to(tl.int32)
+                pos = u + tl.cumsum(ins, 0) - 1
+                tl.store(out_rows + pos, row, mask=inserted)
+                tl.store(out_bits + pos, h, mask=inserted)  # the slot, replaced by the word below
+                u += tl.sum(ins, 0)
+                act = act & (placed == 0)
+                h = tl.where(act, (h + 1) & (S - 1), h)
+                n_act = tl.sum(act.to(tl.int32), 0)
+            tl.debug_barrier()
+            for c0 in range(0, u, BLOCK_C):
+                c = c0 + offs_c
+                cm = c < u
+                slot = tl.load(out_bits + c, mask=cm, other=0)
+                word = tl.atomic_xchg(table_bits + slot, tl.zeros([BLOCK_C], tl.int32), mask=cm)
+                tl.atomic_xchg(table + slot, tl.full([BLOCK_C], -1, tl.int32), mask=cm)
+                tl.store(out_bits + c, word, mask=cm)
+            if GUARD:
+                # union rows per mean valid list: too many and grouping is slower than per token
+                if u.to(tl.float32) * glen.to(tl.float32) > guard_ratio * n_valid.to(tl.float32):
+                    tl.store(GROUP_LEN + g, 0)
+                    tl.store(ROUTE + tok, tl.full([G_P], 1, tl.int8), mask=q_ok)
+        tl.store(ULEN + g, u)
+
+
 def plan_groups(
     num_tokens: int, group_size: int, cu_seqlens_q: torch.Tensor | None,
     group_start: torch.Tensor, group_len: torch.Tensor, route: torch.Tensor,
@@ -153,6 +226,36 @@ def plan_groups(
 def union_key_is_64bit(num_kv_rows: int, group_size: int) -> bool:
     """Whether row * G_P overflows int32 keys (then the int64-key fallback runs)."""
     return num_kv_rows * triton.next_power_of_2(group_size) >= 2**31 - 1
+
+
+def hash_table_slots(group_size: int, topk: int) -> int:
+    """Slots of one union hash table: 2 * G_P * K_P (load factor <= 1/2 even with no overlap)."""
+    return 2 * triton.next_power_of_2(group_size) * triton.next_power_of_2(topk)
+
+
+def build_union_hash(
+    indices: torch.Tensor, topk_length: torch.Tensor | None, num_kv_rows: int, group_size: int,
+    group_start: torch.Tensor, group_len: torch.Tensor, route: torch.Tensor,
+    tables: torch.Tensor, table_bits: torch.Tensor, rows: torch.Tensor, bits: torch.Tensor, union_len: torch.Tensor,
+    guard_ratio: float | None = None,
+) -> None:
+    """Hash-table union builder (unsorted union rows); tables [P, S] int32 all -1, table_bits all 0,
+    left clean. One persistent program per table. See ``build_union`` for the rest."""
+    num_groups = group_start.shape[0]
+    if num_groups == 0:
+        return
+    K = indices.shape[1]
+    g_p, k_p = triton.next_power_of_2(group_size), triton.next_power_of_2(K)
+    slots = tables.shape[1]
+    total = g_p * k_p
+    warps = 4 if total <= 2048 else (8 if total <= 8192 else 16)
+    _build_union_hash_kernel[(min(tables.shape[0], num_groups),)](
+        indices, topk_length if topk_length is not None else indices, group_start, group_len, route,
+        tables, table_bits, rows, bits, union_len,
+        indices.stride(0), rows.stride(0), num_kv_rows, K, num_groups, float(guard_ratio or 0.0),
+        G_P=g_p, K_P=k_p, LOG_S=slots.bit_length() - 1, BLOCK_C=1024,
+        HAS_TOPK_LEN=topk_length is not None, GUARD=guard_ratio is not None, num_warps=warps,
+    )
 
 
 def build_union(
