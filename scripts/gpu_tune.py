@@ -169,7 +169,7 @@ def main() -> None:
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
     try:
-        rev = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+        rev = os.environ.get("GIT_REV") or subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
     except Exception:  # noqa: BLE001
         rev = "unknown"
     meta = dict(command=" ".join(sys.argv), git_revision=rev, gpu=torch.cuda.get_device_name(), date=datetime.datetime.now().isoformat(),
