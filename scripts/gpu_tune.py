@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sparse_mla import SparseMLAWorkspace, build_group_union, sparse_mla_fwd, sparse_mla_ref  # noqa: E402
 from sparse_mla.kernels.sparse_mqa import sparse_mqa_grouped, sparse_mqa_per_token  # noqa: E402
-from sparse_mla.kernels.union import build_union, build_union_hash, plan_groups  # noqa: E402
+from sparse_mla.kernels.union import build_union, plan_groups  # noqa: E402
 from sparse_mla.selection import overlap_guard_ratio  # noqa: E402
 
 DEV = "cuda"
@@ -121,21 +121,15 @@ def grouped_runs(quick: bool) -> None:
         gs, gl, ul = ws.group_start, ws.group_len, ws.union_len
         route = ws.route[:T]
 
-        def union_sort():
+        def union_build():
             plan_groups(T, G, None, gs, gl, route)
-            build_union(idx, None, N, G, gs, gl, route, ws.scratch, ws.union_rows, ws.union_bits, ul, guard_ratio=None)
+            build_union(idx, None, N, G, gs, gl, route, ws.union_tables, ws.union_table_q, ws.union_spill,
+                        ws.union_rows, ws.union_bits, ul)
 
-        def union_hash():
-            plan_groups(T, G, None, gs, gl, route)
-            build_union_hash(idx, None, N, G, gs, gl, route, ws.union_tables, ws.union_table_bits, ws.union_rows, ws.union_bits, ul)
-
-        t_sort = bench(union_sort) if sigma == sigmas[0] else float("nan")
-        t_union = bench(union_hash)
-        t_torch_sort = bench(lambda: idx.sort(dim=1))
-        union_hash()
-        row = dict(kind="grouped", H=H, T=T, K=K, N=N, G=G, sigma=sigma, union_ratio=ratio, union_ms=t_union,
-                   union_sort_kernel_ms=t_sort, torch_sort_per_token_ms=t_torch_sort)
-        print(f"union: hash {t_union:.3f} ms, sort-kernel {t_sort:.3f} ms, torch.sort per token {t_torch_sort:.3f} ms", flush=True)
+        t_union = bench(union_build)
+        union_build()
+        row = dict(kind="grouped", H=H, T=T, K=K, N=N, G=G, sigma=sigma, union_ratio=ratio, union_ms=t_union)
+        print(f"union build {t_union:.3f} ms", flush=True)
         for bm, cfg in ((64, (64, 8, 2)), (64, (64, 8, 3))):
             try:
                 ms = bench(lambda: sparse_mqa_grouped(q, kv, 0.04, G, ws.union_rows, ws.union_bits, ul, gs, gl, out, None, block_m=bm, config=cfg))

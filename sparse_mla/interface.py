@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernels.sparse_mqa import D_V, sparse_mqa_grouped, sparse_mqa_per_token
-from .kernels.union import MAX_GROUP_SIZE, build_union_hash, plan_groups
+from .kernels.union import MAX_GROUP_SIZE, build_union, plan_groups
 from .selection import overlap_guard_ratio, resolve_method
 from .validation import validate_sparse_mla_args
 from .workspace import SparseMLAWorkspace, default_group_size
@@ -131,8 +131,8 @@ def _grouped_forward(p, G: int, ws: SparseMLAWorkspace, out: torch.Tensor, lse: 
     gs, gl, ul = ws.group_start[:n_groups], ws.group_len[:n_groups], ws.union_len[:n_groups]
     route = ws.route[:T]
     plan_groups(T, G, p.cu_seqlens_q, gs, gl, route)
-    build_union_hash(p.indices, p.topk_length, p.num_kv_rows, G, gs, gl, route, ws.union_tables,
-                     ws.union_table_bits, ws.union_rows, ws.union_bits, ul, guard_ratio=guard)
+    build_union(p.indices, p.topk_length, p.num_kv_rows, G, gs, gl, route, ws.union_tables, ws.union_table_q,
+                ws.union_spill, ws.union_rows, ws.union_bits, ul, guard_ratio=guard)
     sparse_mqa_grouped(p.q, p.kv, p.sm_scale, G, ws.union_rows, ws.union_bits, ul, gs, gl, out, lse)
     sparse_mqa_per_token(p.q, p.kv, p.indices, p.sm_scale, p.topk_length, out, lse, route=route)
 
@@ -199,8 +199,8 @@ def build_group_union(
     rows, bits = ws.union_rows[:n_groups], ws.union_bits[:n_groups]
     if T > 0:
         plan_groups(T, group_size, None, gs, gl, ws.route[:T])
-        build_union_hash(indices, topk_length, N, group_size, gs, gl, ws.route[:T], ws.union_tables,
-                         ws.union_table_bits, rows, bits, ul)
+        build_union(indices, topk_length, N, group_size, gs, gl, ws.route[:T], ws.union_tables,
+                    ws.union_table_q, ws.union_spill, rows, bits, ul)
     # The kernel's union is unsorted; this inspection API returns it sorted, -1 / 0 after the end.
     in_union = torch.arange(rows.shape[1], device=rows.device)[None, :] < ul[:, None].long()
     keys, order = torch.where(in_union, rows, torch.iinfo(torch.int32).max).sort(dim=1)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .kernels.union import MAX_GROUP_SIZE, hash_table_slots, union_key_is_64bit
+from .kernels.union import MAX_GROUP_SIZE, hash_table_slots, membership_bytes
 
 
 def default_group_size(num_heads: int) -> int:
@@ -53,19 +53,18 @@ class SparseMLAWorkspace:
         G, K = self.group_size, self.topk
         self.max_groups = triton.cdiv(self.max_tokens, G)
         g_p, k_p = triton.next_power_of_2(G), triton.next_power_of_2(K)
-        key_dtype = torch.int64 if union_key_is_64bit(self.max_kv_rows, G) else torch.int32
         dev = torch.device(self.device)
         self.group_start = torch.zeros(self.max_groups, dtype=torch.int32, device=dev)
         self.group_len = torch.zeros(self.max_groups, dtype=torch.int32, device=dev)
         self.union_len = torch.zeros(self.max_groups, dtype=torch.int32, device=dev)
         self.route = torch.zeros(self.max_tokens, dtype=torch.int8, device=dev)
-        self.scratch = torch.empty(self.max_groups, g_p * k_p, dtype=key_dtype, device=dev)
         self.union_rows = torch.empty(self.max_groups, G * K, dtype=torch.int32, device=dev)
         self.union_bits = torch.empty(self.max_groups, G * K, dtype=torch.int32, device=dev)
         n_tables = min(self.max_groups, _union_programs(dev))
         slots = hash_table_slots(G, K)
         self.union_tables = torch.full((n_tables, slots), -1, dtype=torch.int32, device=dev)
-        self.union_table_bits = torch.zeros((n_tables, slots), dtype=torch.int32, device=dev)
+        self.union_table_q = torch.zeros((n_tables, slots * membership_bytes(G)), dtype=torch.int8, device=dev)
+        self.union_spill = torch.empty((n_tables, 3 * g_p * k_p), dtype=torch.int32, device=dev)
 
     @classmethod
     def for_problem(cls, num_tokens: int, topk: int, num_heads: int, num_kv_rows: int,
@@ -82,12 +81,10 @@ class SparseMLAWorkspace:
             return False, f"topk {topk} != workspace topk {self.topk}"
         if group_size != self.group_size:
             return False, f"group_size {group_size} != workspace group_size {self.group_size}"
-        if union_key_is_64bit(num_kv_rows, group_size) and self.scratch.dtype != torch.int64:
-            return False, f"{num_kv_rows} kv rows need 64-bit union keys; build the workspace with max_kv_rows >= N"
         return True, ""
 
     def nbytes(self) -> int:
         """Device bytes held."""
         return sum(t.numel() * t.element_size() for t in (
-            self.group_start, self.group_len, self.union_len, self.route, self.scratch, self.union_rows, self.union_bits,
-            self.union_tables, self.union_table_bits))
+            self.group_start, self.group_len, self.union_len, self.route, self.union_rows, self.union_bits,
+            self.union_tables, self.union_table_q, self.union_spill))

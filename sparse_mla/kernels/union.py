@@ -5,13 +5,11 @@
 all rows (the short tail group is kept as a short group). It writes ``group_start``, ``group_len``
 and a per-token ``route`` (1 = the per-token kernel computes this token).
 
-``build_union`` makes, per group, the sorted distinct valid rows of its G lists and a membership
-word per row (bit i set iff the row is in query i's list). Its cost is O(G K log^2(G K)) per group,
-independent of the sequence length: each entry becomes the key ``row * G_P + i`` (G_P = G rounded up
-to a power of two), the group's G * K keys are sorted in registers (``tl.sort``, bitonic), a row's
-first key marks a union row, the at most G equal rows after it give the membership bits, and a
-prefix sum compacts the union. Keys are int32 while ``N * G_P < 2**31`` and int64 beyond (the
-stated fallback), and G <= 16.
+``build_union`` makes, per group, the distinct valid rows of its G lists (in no particular order:
+the attention kernel does not need them sorted) and a membership word per row (bit i set iff the
+row is in query i's list). Its cost is O(G K) per group, independent of the sequence length: each
+program of a persistent grid owns an open-addressing hash table of 2 * G_P * K_P slots (load
+factor <= 1/2 even with no overlap at all), cleaned by the program after each group.
 """
 
 from __future__ import annotations
@@ -67,95 +65,36 @@ def _plan_groups_kernel(
             tl.store(GROUP_LEN + j, tl.zeros([BLOCK], tl.int32), mask=ok)
 
 
+
 @triton.jit
 def _build_union_kernel(
-    IDX, TOPK_LEN, GROUP_START, GROUP_LEN, ROUTE, SCRATCH, ROWS, BITS, ULEN,
-    stride_it, stride_sg, stride_rg, N, K, U_MAX, guard_ratio,
-    G_P: tl.constexpr, LOG_G: tl.constexpr, K_P: tl.constexpr,
-    HAS_TOPK_LEN: tl.constexpr, KEY64: tl.constexpr, GUARD: tl.constexpr, FILL: tl.constexpr,
-):
-    g = tl.program_id(0)
-    glen = tl.load(GROUP_LEN + g)
-    TOTAL: tl.constexpr = G_P * K_P
-    offs = tl.arange(0, TOTAL)
-    if glen <= 0:
-        tl.store(ULEN + g, 0)
-        if FILL:
-            tl.store(ROWS + g.to(tl.int64) * stride_rg + offs, -1, mask=offs < U_MAX)
-            tl.store(BITS + g.to(tl.int64) * stride_rg + offs, 0, mask=offs < U_MAX)
-    else:
-        t0 = tl.load(GROUP_START + g)
-        offs_i = tl.arange(0, G_P)
-        offs_k = tl.arange(0, K_P)
-        q_ok = offs_i < glen
-        tok = (t0 + offs_i).to(tl.int64)
-        count = tl.full([G_P], K, tl.int32)
-        if HAS_TOPK_LEN:
-            count = tl.minimum(tl.load(TOPK_LEN + tok, mask=q_ok, other=0), K)
-        in_list = q_ok[:, None] & (offs_k[None, :] < count[:, None])
-        idx = tl.load(IDX + tok[:, None] * stride_it + offs_k[None, :], mask=in_list, other=-1)
-        valid = in_list & (idx >= 0) & (idx < N)
-        if KEY64:
-            sentinel = tl.full([G_P, K_P], 9223372036854775807, tl.int64)
-            key = tl.where(valid, (idx.to(tl.int64) << LOG_G) + offs_i[:, None], sentinel)
-        else:
-            sentinel = tl.full([G_P, K_P], 2147483647, tl.int32)
-            key = tl.where(valid, (idx << LOG_G) + offs_i[:, None], sentinel)
-        key = tl.sort(tl.reshape(key, [TOTAL]))
-        big = tl.max(sentinel)
-        base = SCRATCH + g.to(tl.int64) * stride_sg
-        tl.store(base + offs, key)
-        tl.debug_barrier()
-        is_valid = key != big
-        row = key >> LOG_G
-        prev = tl.load(base + offs - 1, mask=offs > 0, other=big)
-        first = is_valid & ((prev == big) | ((prev >> LOG_G) != row) | (offs == 0))
-        bits = tl.zeros([TOTAL], tl.int32)
-        for r in tl.static_range(G_P):
-            nxt = tl.load(base + offs + r, mask=offs + r < TOTAL, other=big)
-            hit = (nxt != big) & ((nxt >> LOG_G) == row)
-            bits = bits | tl.where(hit, (1 << (nxt & (G_P - 1))).to(tl.int32), 0)
-        first_i = first.to(tl.int32)
-        pos = tl.cumsum(first_i, 0) - 1
-        u = tl.sum(first_i, 0)
-        out_rows = ROWS + g.to(tl.int64) * stride_rg
-        out_bits = BITS + g.to(tl.int64) * stride_rg
-        tl.store(out_rows + pos, row.to(tl.int32), mask=first)
-        tl.store(out_bits + pos, bits, mask=first)
-        if FILL:
-            tl.store(out_rows + offs, -1, mask=(offs >= u) & (offs < U_MAX))
-            tl.store(out_bits + offs, 0, mask=(offs >= u) & (offs < U_MAX))
-        tl.store(ULEN + g, u)
-        if GUARD:
-            n_valid = tl.sum(tl.sum(valid.to(tl.int32), 1), 0)
-            # union rows per mean valid list: too many and grouping is slower than per token
-            if u.to(tl.float32) * glen.to(tl.float32) > guard_ratio * n_valid.to(tl.float32):
-                tl.store(GROUP_LEN + g, 0)
-                tl.store(ROUTE + tok, tl.full([G_P], 1, tl.int8), mask=q_ok)
-
-
-@triton.jit
-def _build_union_hash_kernel(
-    IDX, TOPK_LEN, GROUP_START, GROUP_LEN, ROUTE, TABLE, TABLE_BITS, ROWS, BITS, ULEN,
+    IDX, TOPK_LEN, GROUP_START, GROUP_LEN, ROUTE, TABLE, TABLE_Q, SPILL, ROWS, BITS, ULEN,
     stride_it, stride_rg, N, K, num_groups, guard_ratio,
-    G_P: tl.constexpr, K_P: tl.constexpr, LOG_S: tl.constexpr, BLOCK_C: tl.constexpr,
+    G_P: tl.constexpr, K_P: tl.constexpr, QB: tl.constexpr, LOG_S: tl.constexpr, BLOCK_C: tl.constexpr,
     HAS_TOPK_LEN: tl.constexpr, GUARD: tl.constexpr,
 ):
-    """Persistent: program p owns hash table p (2**LOG_S slots, all -1 / 0 between calls) and
-    builds the unions of groups p, p + nprog, ... Open addressing with linear probing: every
-    entry CASes its row into its slot (a lane with nothing to insert CASes -1 -> -1, a no-op),
-    ORs its query bit into the slot's word, and an entry that found its row or an empty slot is
-    done. The first inserter of a row appends it to the union (prefix sum over the round); a
-    second pass reads the words back and resets the touched slots, so tables stay clean."""
+    """Program p owns table p: TABLE [S] int32 rows (-1 = empty), TABLE_Q [S, QB] int8 membership
+    bytes (0), SPILL [3, G_P * K_P] int32, and builds groups p, p + nprog, ...
+
+    Round 1: every valid entry CASes its row into slot hash(row); an entry that finds its row or an
+    empty slot is placed: it sets byte [slot, i] (plain store: rows of one list are distinct, so no
+    two entries write the same byte), and the entry that filled the slot appends the row to the
+    union (prefix sum). The few collided entries are compacted into SPILL and probe on (linear
+    probing) in small chunks, so that lanes with nothing left to do issue no atomics. Finally the
+    bytes of each union row are packed into its membership word and the touched slots are reset.
+    """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     S: tl.constexpr = 1 << LOG_S
     TOTAL: tl.constexpr = G_P * K_P
     table = TABLE + pid.to(tl.int64) * S
-    table_bits = TABLE_BITS + pid.to(tl.int64) * S
+    table_q = TABLE_Q + pid.to(tl.int64) * (S * QB)
+    spill = SPILL + pid.to(tl.int64) * (3 * TOTAL)
     offs_i = tl.arange(0, G_P)
     offs_k = tl.arange(0, K_P)
     offs_c = tl.arange(0, BLOCK_C)
+    offs_b = tl.arange(0, QB)
+    qidx = tl.reshape(tl.broadcast_to(offs_i[:, None], [G_P, K_P]), [TOTAL])
     for g in range(pid, num_groups, nprog):
         glen = tl.load(GROUP_LEN + g)
         u = glen * 0
@@ -169,36 +108,62 @@ def _build_union_hash_kernel(
             in_list = q_ok[:, None] & (offs_k[None, :] < count[:, None])
             idx = tl.load(IDX + tok[:, None] * stride_it + offs_k[None, :], mask=in_list, other=-1)
             valid = in_list & (idx >= 0) & (idx < N)
+            n_valid = tl.sum(tl.sum(valid.to(tl.int32), 1), 0)
             row = tl.reshape(tl.where(valid, idx, -1), [TOTAL])
-            qbit = tl.reshape(tl.broadcast_to((1 << offs_i)[:, None], [G_P, K_P]), [TOTAL])
             act = tl.reshape(valid, [TOTAL])
             h = ((row.to(tl.uint32) * 0x9E3779B1) >> (32 - LOG_S)).to(tl.int32)
             g64 = pid.to(tl.int64) * 0 + g
             out_rows = ROWS + g64 * stride_rg
-            out_bits = BITS + g64 * stride_rg
-            n_act = tl.sum(act.to(tl.int32), 0)
-            n_valid = n_act
-            while n_act > 0:
-                old = tl.atomic_cas(table + h, tl.full([TOTAL], -1, tl.int32), tl.where(act, row, -1))
-                placed = act & ((old == -1) | (old == row))
-                inserted = act & (old == -1)
-                tl.atomic_or(table_bits + h, qbit, mask=placed)
-                ins = inserted.to(tl.int32)
-                pos = u + tl.cumsum(ins, 0) - 1
-                tl.store(out_rows + pos, row, mask=inserted)
-                tl.store(out_bits + pos, h, mask=inserted)  # the slot, replaced by the word below
-                u += tl.sum(ins, 0)
-                act = act & (placed == 0)
-                h = tl.where(act, (h + 1) & (S - 1), h)
-                n_act = tl.sum(act.to(tl.int32), 0)
+            out_bits = BITS + g64 * stride_rg  # holds each union row's slot until the last pass
+            # round 1, all entries (an invalid entry CASes -1 -> -1: no change)
+            old = tl.atomic_cas(table + h, tl.full([TOTAL], -1, tl.int32), row)
+            placed = act & ((old == -1) | (old == row))
+            inserted = act & (old == -1)
+            tl.store(table_q + h * QB + qidx, tl.full([TOTAL], 1, tl.int8), mask=placed)
+            ins = inserted.to(tl.int32)
+            pos = tl.cumsum(ins, 0) - 1
+            tl.store(out_rows + pos, row, mask=inserted)
+            tl.store(out_bits + pos, h, mask=inserted)
+            u += tl.sum(ins, 0)
+            left = act & (placed == 0)
+            n_left = tl.sum(left.to(tl.int32), 0)
+            if n_left > 0:
+                lpos = tl.cumsum(left.to(tl.int32), 0) - 1
+                tl.store(spill + lpos, row, mask=left)
+                tl.store(spill + TOTAL + lpos, qidx, mask=left)
+                tl.store(spill + 2 * TOTAL + lpos, (h + 1) & (S - 1), mask=left)
+                tl.debug_barrier()
+                for c0 in range(0, n_left, BLOCK_C):
+                    c = c0 + offs_c
+                    a = c < n_left
+                    r = tl.load(spill + c, mask=a, other=-1)
+                    qi = tl.load(spill + TOTAL + c, mask=a, other=0)
+                    hc = tl.load(spill + 2 * TOTAL + c, mask=a, other=0)
+                    n_a = tl.sum(a.to(tl.int32), 0)
+                    while n_a > 0:
+                        o = tl.atomic_cas(table + hc, tl.full([BLOCK_C], -1, tl.int32), tl.where(a, r, -1))
+                        pl = a & ((o == -1) | (o == r))
+                        ins_c = (a & (o == -1)).to(tl.int32)
+                        tl.store(table_q + hc * QB + qi, tl.full([BLOCK_C], 1, tl.int8), mask=pl)
+                        p_c = u + tl.cumsum(ins_c, 0) - 1
+                        tl.store(out_rows + p_c, r, mask=ins_c != 0)
+                        tl.store(out_bits + p_c, hc, mask=ins_c != 0)
+                        u += tl.sum(ins_c, 0)
+                        a = a & (pl == 0)
+                        hc = tl.where(a, (hc + 1) & (S - 1), hc)
+                        n_a = tl.sum(a.to(tl.int32), 0)
             tl.debug_barrier()
             for c0 in range(0, u, BLOCK_C):
                 c = c0 + offs_c
                 cm = c < u
                 slot = tl.load(out_bits + c, mask=cm, other=0)
-                word = tl.atomic_xchg(table_bits + slot, tl.zeros([BLOCK_C], tl.int32), mask=cm)
+                qptr = table_q + slot[:, None] * QB + offs_b[None, :]
+                qbytes = tl.load(qptr, mask=cm[:, None], other=0)
+                word = tl.sum(qbytes.to(tl.int32) << offs_b[None, :], 1)
+                tl.store(qptr, tl.zeros([BLOCK_C, QB], tl.int8), mask=cm[:, None])
                 tl.atomic_xchg(table + slot, tl.full([BLOCK_C], -1, tl.int32), mask=cm)
                 tl.store(out_bits + c, word, mask=cm)
+            tl.debug_barrier()
             if GUARD:
                 # union rows per mean valid list: too many and grouping is slower than per token
                 if u.to(tl.float32) * glen.to(tl.float32) > guard_ratio * n_valid.to(tl.float32):
@@ -223,49 +188,28 @@ def plan_groups(
     )
 
 
-def union_key_is_64bit(num_kv_rows: int, group_size: int) -> bool:
-    """Whether row * G_P overflows int32 keys (then the int64-key fallback runs)."""
-    return num_kv_rows * triton.next_power_of_2(group_size) >= 2**31 - 1
-
-
 def hash_table_slots(group_size: int, topk: int) -> int:
     """Slots of one union hash table: 2 * G_P * K_P (load factor <= 1/2 even with no overlap)."""
     return 2 * triton.next_power_of_2(group_size) * triton.next_power_of_2(topk)
 
 
-def build_union_hash(
-    indices: torch.Tensor, topk_length: torch.Tensor | None, num_kv_rows: int, group_size: int,
-    group_start: torch.Tensor, group_len: torch.Tensor, route: torch.Tensor,
-    tables: torch.Tensor, table_bits: torch.Tensor, rows: torch.Tensor, bits: torch.Tensor, union_len: torch.Tensor,
-    guard_ratio: float | None = None,
-) -> None:
-    """Hash-table union builder (unsorted union rows); tables [P, S] int32 all -1, table_bits all 0,
-    left clean. One persistent program per table. See ``build_union`` for the rest."""
-    num_groups = group_start.shape[0]
-    if num_groups == 0:
-        return
-    K = indices.shape[1]
-    g_p, k_p = triton.next_power_of_2(group_size), triton.next_power_of_2(K)
-    slots = tables.shape[1]
-    total = g_p * k_p
-    warps = 4 if total <= 2048 else (8 if total <= 8192 else 16)
-    _build_union_hash_kernel[(min(tables.shape[0], num_groups),)](
-        indices, topk_length if topk_length is not None else indices, group_start, group_len, route,
-        tables, table_bits, rows, bits, union_len,
-        indices.stride(0), rows.stride(0), num_kv_rows, K, num_groups, float(guard_ratio or 0.0),
-        G_P=g_p, K_P=k_p, LOG_S=slots.bit_length() - 1, BLOCK_C=1024,
-        HAS_TOPK_LEN=topk_length is not None, GUARD=guard_ratio is not None, num_warps=warps,
-    )
+def membership_bytes(group_size: int) -> int:
+    """Bytes per slot of the membership byte table (QB): 8 up to G = 8, else 16."""
+    return 8 if group_size <= 8 else 16
 
 
 def build_union(
     indices: torch.Tensor, topk_length: torch.Tensor | None, num_kv_rows: int, group_size: int,
     group_start: torch.Tensor, group_len: torch.Tensor, route: torch.Tensor,
-    scratch: torch.Tensor, rows: torch.Tensor, bits: torch.Tensor, union_len: torch.Tensor,
-    guard_ratio: float | None = None, fill: bool = False,
+    tables: torch.Tensor, table_q: torch.Tensor, spill: torch.Tensor,
+    rows: torch.Tensor, bits: torch.Tensor, union_len: torch.Tensor,
+    guard_ratio: float | None = None,
 ) -> None:
     """Launch the union builder over ``group_start.shape[0]`` groups (buffers from a workspace).
 
+    indices [T, K] int32, topk_length [T] int32 or None; tables [P, S] int32 (all -1), table_q
+    [P, S * QB] int8 (all 0), spill [P, 3 * G_P * K_P] int32: per-program scratch, left clean.
+    Writes rows / bits [num_groups, >= G * K] int32 (first union_len[g] entries) and union_len.
     With ``guard_ratio``, a group whose union holds more than ``guard_ratio`` times its mean valid
     list length gets ``group_len = 0`` and its tokens ``route = 1`` (they run per token).
     """
@@ -273,16 +217,13 @@ def build_union(
     if num_groups == 0:
         return
     K = indices.shape[1]
-    g_p = triton.next_power_of_2(group_size)
-    k_p = triton.next_power_of_2(K)
+    g_p, k_p = triton.next_power_of_2(group_size), triton.next_power_of_2(K)
     total = g_p * k_p
-    warps = 4 if total <= 2048 else (8 if total <= 8192 else 16)
-    _build_union_kernel[(num_groups,)](
+    warps = 4 if total <= 2048 else 8
+    _build_union_kernel[(min(tables.shape[0], num_groups),)](
         indices, topk_length if topk_length is not None else indices, group_start, group_len, route,
-        scratch, rows, bits, union_len,
-        indices.stride(0), scratch.stride(0), rows.stride(0), num_kv_rows, K, rows.shape[1],
-        float(guard_ratio or 0.0),
-        G_P=g_p, LOG_G=g_p.bit_length() - 1, K_P=k_p,
-        HAS_TOPK_LEN=topk_length is not None, KEY64=scratch.dtype == torch.int64,
-        GUARD=guard_ratio is not None, FILL=fill, num_warps=warps,
+        tables, table_q, spill, rows, bits, union_len,
+        indices.stride(0), rows.stride(0), num_kv_rows, K, num_groups, float(guard_ratio or 0.0),
+        G_P=g_p, K_P=k_p, QB=membership_bytes(group_size), LOG_S=tables.shape[1].bit_length() - 1,
+        BLOCK_C=256, HAS_TOPK_LEN=topk_length is not None, GUARD=guard_ratio is not None, num_warps=warps,
     )

@@ -1,0 +1,260 @@
+"""Compile, before serving, every Triton kernel variant a configuration can use (for CUDA graphs).
+
+Triton compiles a kernel once per *specialization*: each constexpr, whether an optional pointer is
+None, the 16-byte alignment of each pointer, and for every integer argument not marked
+``do_not_specialize`` its class: equal to 1, divisible by 16, or neither (triton 3.x). An engine
+that captures CUDA graphs must not compile during capture or serving, so ``warmup`` runs each
+variant once on tiny inputs:
+
+* the attention kernel (``kernels.sparse_mqa``): per-token, per-token with a route (the grouped
+  path's remainder), grouped; each with and without lse and topk_length;
+* the union builder (``kernels.union``): the workspace's key width (int32, or int64 for huge
+  caches), with/without topk_length, with the configured overlap guard;
+* the group planner (``kernels.union._plan_groups_kernel``) in both layouts (within requests with
+  ``cu_seqlens_q``; token-major without) for every class of token count, request count
+  (and its power-of-two block) and group count a step up to ``max_tokens`` / ``max_requests`` can
+  produce (read off the kernel's ``do_not_specialize`` list, so fewer when that grows);
+* the block-table converter (``kernels.index_convert``), with and without valid counts.
+
+Assumptions: q, out, indices are contiguous (as the engine passes them), kv has the engine's row
+stride, and tensors passed by the engine are 16-byte aligned (whole allocations or slices that start
+at a multiple of 16 bytes). Not covered: ``build_group_union`` (an analysis API, not on the step path).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import triton
+
+from ..interface import sparse_mla_fwd
+from ..kernels import index_convert, sparse_mqa, union
+from ..kernels.union import MAX_GROUP_SIZE, plan_groups, union_key_is_64bit
+from ..validation import KERNEL_DTYPES, SUPPORTED_D_QK, flatten_kv
+from ..workspace import SparseMLAWorkspace, default_group_size
+from .block_table import convert_req_index_to_global
+
+
+def warmed_kernels() -> dict[str, object]:
+    """The Triton kernels ``warmup`` covers, by name (JITFunction, or InterpretedFunction on CPU)."""
+    return {
+        "sparse_mqa": sparse_mqa._sparse_mqa_fwd_kernel,
+        "plan_groups": union._plan_groups_kernel,
+        "build_union": union._build_union_kernel,
+        "convert_req_index": index_convert._convert_req_index_kernel,
+    }
+
+
+def compiled_variant_counts() -> dict[str, int]:
+    """Compiled variants held in memory per warmed kernel, summed over devices.
+
+    Reads ``JITFunction.device_caches[device][0]`` (the per-device kernel cache dict of triton
+    3.x). Under the interpreter (TRITON_INTERPRET=1) nothing compiles and every count is 0.
+    """
+    counts = {}
+    for name, kernel in warmed_kernels().items():
+        caches = getattr(kernel, "device_caches", None)
+        counts[name] = 0 if caches is None else sum(len(c[0]) for c in list(caches.values()))
+    return counts
+
+
+def _unspecialized(kernel) -> set[str]:
+    """Names of the kernel's arguments marked ``do_not_specialize``."""
+    params = getattr(kernel, "params", None)
+    if params is not None:
+        return {p.name for p in params if p.do_not_specialize}
+    names = getattr(kernel, "arg_names", [])
+    dns = (getattr(kernel, "kwargs", None) or {}).get("do_not_specialize") or []
+    return {names[x] if isinstance(x, int) else x for x in dns}
+
+
+def _int_class(value: int) -> str:
+    """Triton's specialization class of an integer argument."""
+    return "1" if value == 1 else ("16" if value % 16 == 0 else "other")
+
+
+def plan_variant_reps(group_size: int, max_tokens: int, max_requests: int,
+                      workspace_max_groups: int | None) -> list[tuple[int, int | None]]:
+    """Representative (T, B) of every group-planner specialization a step can hit.
+
+    B None = token-major layout (no cu_seqlens_q). ``workspace_max_groups``: the engine's
+    workspace size in groups, or None when the engine lets each call allocate its own (then the
+    planner's group count is ceil(T / G)). Classes repeat with period 16 * G in T, so T up to
+    32 * G + 16 and every B up to ``max_requests`` cover them all.
+    """
+    G = group_size
+    fixed = _unspecialized(union._plan_groups_kernel)
+    cls = lambda name, v: None if name in fixed else _int_class(v)  # noqa: E731
+    t_max = min(max_tokens, 32 * G + 16)
+    reps: dict[tuple, tuple[int, int | None]] = {}
+    for T in range(1, t_max + 1):
+        key = ("token_major", cls("T", T), cls("max_groups", triton.cdiv(T, G)))
+        reps.setdefault(key, (T, None))
+    t_keys: dict[tuple, int] = {}
+    for T in range(1, t_max + 1):
+        mg = workspace_max_groups if workspace_max_groups is not None else triton.cdiv(T, G)
+        t_keys.setdefault((cls("T", T), cls("max_groups", mg)), T)
+    b_keys: dict[tuple, int] = {}
+    for B in range(1, max_requests + 1):
+        b_keys.setdefault((cls("B", B), triton.next_power_of_2(B)), B)
+    for tk, T in t_keys.items():
+        for bk, B in b_keys.items():
+            reps.setdefault(("requests", *tk, *bk), (T, B))
+    return list(reps.values())
+
+
+@dataclass
+class WarmupReport:
+    """What ``warmup`` ran: wall seconds, kernel launches (calls), new compiled variants per kernel
+    (all 0 under the interpreter, or when everything was already compiled)."""
+
+    seconds: float
+    calls: int
+    new_variants: dict[str, int] = field(default_factory=dict)
+
+
+def _tiny_kv(num_kv_rows: int, d_qk: int, row_stride: int, dtype, device) -> torch.Tensor:
+    """kv rows whose count has the specialization class of num_kv_rows (a small stand-in)."""
+    n = num_kv_rows if num_kv_rows <= 256 else (256 if num_kv_rows % 16 == 0 else 257)
+    base = torch.randn(n, row_stride, device=device).to(dtype)
+    return base[:, :d_qk]
+
+
+def warmup(
+    num_heads: int,
+    d_qk: int,
+    topk: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    max_tokens: int,
+    *,
+    max_requests: int = 1,
+    num_kv_rows: int | None = None,
+    kv: torch.Tensor | None = None,
+    kv_row_stride: int | None = None,
+    workspace: SparseMLAWorkspace | None = None,
+    group_size: int | None = None,
+    overlap_guard: float | None = -1.0,
+    block_size: int = 64,
+    return_lse: tuple[bool, ...] = (False, True),
+    topk_length: tuple[bool, ...] = (False, True),
+    converter: bool = True,
+) -> WarmupReport:
+    """Run every kernel variant a configuration can use once, on tiny inputs (compiles them on GPU).
+
+    Call it once per (layer config, dtype, device) at start-up, before capturing CUDA graphs; a
+    later ``sparse_mla_fwd`` / ``convert_req_index_to_global`` step with these settings, at most
+    ``max_tokens`` rows and ``max_requests`` requests, then compiles nothing (tested on GPU by
+    ``tests/test_gpu_integration.py`` with ``compiled_variant_counts``).
+
+    Args:
+        num_heads: H, query heads per rank (sets the group size G = 128 // H unless group_size).
+        d_qk: 576 or 512 (NoPE).
+        topk: K, indices per query row.
+        dtype: torch.bfloat16 or torch.float16 (q and kv).
+        device: the CUDA device (or "cpu" under TRITON_INTERPRET=1, where nothing compiles).
+        max_tokens: most query rows of a step (the workspace's max_tokens when one is given).
+        max_requests: most requests (B of cu_seqlens_q) of a step.
+        num_kv_rows: N of the engine's kv rows (``paged_kv_as_rows``); needed unless kv is given.
+        kv: optional engine kv rows [N, D_qk] (or paged cache); warmup reads a few rows of it.
+        kv_row_stride: row stride of the engine's kv in elements (default d_qk); ignored with kv.
+        workspace: the engine's ``SparseMLAWorkspace``, if its steps pass one (recommended).
+        group_size: G override, as passed to ``sparse_mla_fwd``.
+        overlap_guard: as passed to ``sparse_mla_fwd`` (-1 = default table, None = no guard).
+        block_size: the cache block size for the converter.
+        return_lse, topk_length: which lse / topk_length modes the engine uses (default both).
+        converter: also warm the block-table converter.
+
+    Returns:
+        WarmupReport(seconds, calls, new_variants).
+
+    Raises:
+        TypeError: dtype not bf16/fp16.
+        ValueError: d_qk not in {512, 576}, non-positive sizes, neither kv nor num_kv_rows, a
+            workspace that does not fit (topk, group size), a bad group size, or a device the
+            kernels cannot run on (as ``sparse_mla_fwd``).
+    """
+    t_start = time.perf_counter()
+    if dtype not in KERNEL_DTYPES:
+        raise TypeError(f"dtype must be one of {KERNEL_DTYPES}, got {dtype}")
+    if d_qk not in SUPPORTED_D_QK:
+        raise ValueError(f"d_qk must be one of {SUPPORTED_D_QK}, got {d_qk}")
+    for name, v in (("num_heads", num_heads), ("topk", topk), ("max_tokens", max_tokens), ("max_requests", max_requests),
+                    ("block_size", block_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    device = torch.device(device)
+    if kv is not None:
+        kv = flatten_kv(kv)
+        if kv.shape[1] != d_qk or kv.dtype != dtype or kv.device != device:
+            raise ValueError(f"kv must be [N, {d_qk}] {dtype} on {device}, got {tuple(kv.shape)} {kv.dtype} on {kv.device}")
+        num_kv_rows = kv.shape[0]
+    elif num_kv_rows is None or num_kv_rows < 1:
+        raise ValueError(f"pass kv (the engine's kv rows) or num_kv_rows >= 1, got num_kv_rows={num_kv_rows!r}")
+    else:
+        kv = _tiny_kv(num_kv_rows, d_qk, kv_row_stride or d_qk, dtype, device)
+    G = group_size if group_size is not None else default_group_size(num_heads)
+    if not (1 <= G <= MAX_GROUP_SIZE and (G == 1 or G * num_heads <= 128)):
+        raise ValueError(f"group_size must be in [1, {MAX_GROUP_SIZE}] with group_size * H <= 128, got {G} (H = {num_heads})")
+    if workspace is not None:
+        ok, why = workspace.fits(1, topk, G, num_kv_rows)
+        if not ok:
+            raise ValueError(f"workspace does not fit this configuration: {why}")
+    before = compiled_variant_counts()
+    calls = 0
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    # Attention, union builder, planner (one class) for each lse / topk_length mode.
+    cap = workspace.max_tokens if workspace is not None else max_tokens
+    T = min(G + 1 if G > 1 else 2, cap)  # one group and a remainder row
+    n_small = kv.shape[0]
+    q = torch.randn(T, num_heads, d_qk, generator=gen).to(dtype).to(device)
+    cols = torch.arange(topk, dtype=torch.int32)
+    idx_row = torch.where(cols < n_small, cols, -1)
+    indices = idx_row[None, :].expand(T, topk).contiguous().to(device)
+    tl_all = torch.full((T,), topk, dtype=torch.int32, device=device)
+    cu = torch.tensor([0, T], dtype=torch.int32, device=device)
+    ws_small = workspace or SparseMLAWorkspace(
+        T, topk, G, (2**31 - 1) if union_key_is_64bit(num_kv_rows, G) else num_kv_rows, device)
+    scale = d_qk**-0.5
+    for with_lse in return_lse:
+        for with_tl in topk_length:
+            kw = dict(topk_length=tl_all if with_tl else None, return_lse=with_lse)
+            sparse_mla_fwd(q, kv, indices, scale, method="per_token", **kw)
+            sparse_mla_fwd(q, kv, indices, scale, method="grouped", cu_seqlens_q=cu, workspace=ws_small,
+                           group_size=G, overlap_guard=overlap_guard, **kw)
+            calls += 5
+
+    # Group planner: every (T, B) specialization class of both layouts.
+    for T_rep, B in plan_variant_reps(G, workspace.max_tokens if workspace is not None else max_tokens, max_requests,
+                                      workspace.max_groups if workspace is not None else None):
+        if B is None or workspace is None:
+            n_groups = triton.cdiv(T_rep, G)
+            gs = torch.empty(n_groups, dtype=torch.int32, device=device)
+            gl = torch.empty(n_groups, dtype=torch.int32, device=device)
+            route = torch.empty(T_rep, dtype=torch.int8, device=device)
+        else:
+            gs, gl, route = workspace.group_start, workspace.group_len, workspace.route[:T_rep]
+        cu_b = None
+        if B is not None:
+            cu_b = torch.div(torch.arange(B + 1) * T_rep, B, rounding_mode="floor").to(torch.int32).to(device)
+        plan_groups(T_rep, G, cu_b, gs, gl, route)
+        calls += 1
+
+    if converter:
+        req_id = torch.tensor([0, -1], dtype=torch.int32, device=device)
+        block_table = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
+        local = torch.arange(2 * topk, dtype=torch.int32).reshape(2, topk).remainder(2 * block_size).to(device)
+        out_idx = torch.empty(2, topk, dtype=torch.int32, device=device)
+        for counts in (False, True):
+            convert_req_index_to_global(req_id, block_table, local, block_size, out=out_idx, return_valid_counts=counts)
+            calls += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    after = compiled_variant_counts()
+    return WarmupReport(time.perf_counter() - t_start, calls, {k: after[k] - before[k] for k in after})
+
+
+__all__ = ["warmup", "WarmupReport", "compiled_variant_counts", "warmed_kernels", "plan_variant_reps"]

@@ -1,0 +1,434 @@
+"""What the layer-level DSA prefill works on: a plain-Python step description and validated tensors.
+
+``PrefillStep`` holds only Python numbers (dims, per-request lengths, flags), so the dispatcher can
+be decided and tested without tensors. ``DSAPrefillProblem`` is the validated tensor view of one
+``dsa_prefill`` call; ``validate_dsa_prefill_args`` builds it (checks run before any kernel launch).
+
+Request layout (the contiguous-cache form; a paged ``block_table`` form belongs to the integration
+layer): request b has ``cached_lens[b]`` positions already in the cache and ``new_lens[b]`` new
+tokens, which are its last ``new_lens[b]`` positions. Its position p (0 <= p < cached + new) is the
+global kv row ``row_offsets[b] + p``. The new tokens of all requests are the T rows of ``q``, request
+by request (T = sum(new_lens)). New token i of request b (position cached_b + i) may see the rows
+``row_offsets[b] .. row_offsets[b] + cached_b + i``: its causal *window*.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..validation import flatten_kv
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _lengths(name: str, x: object) -> tuple[int, ...]:
+    if isinstance(x, torch.Tensor):
+        if x.dim() != 1 or x.dtype.is_floating_point or x.dtype == torch.bool:
+            raise TypeError(f"{name} must be a 1-D integer tensor or a sequence of ints [B], got {x.dtype} {tuple(x.shape)}")
+        x = x.tolist()
+    if not isinstance(x, Sequence) or isinstance(x, (str, bytes)):
+        raise TypeError(f"{name} must be a sequence of ints [B] (host-side lengths), got {type(x).__name__}")
+    out = []
+    for b, v in enumerate(x):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{name}[{b}] must be an int, got {type(v).__name__}")
+        if v < 0:
+            raise ValueError(f"{name}[{b}] = {v} must be >= 0")
+        out.append(int(v))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class PrefillStep:
+    """Plain-Python description of one prefill step: what the dispatcher decides on.
+
+    Fields:
+        num_heads: H, query heads on this rank (heads per rank under TP).
+        kv_lora_rank: r, latent width (512 for every supported model).
+        qk_nope_head_dim, qk_rope_head_dim, v_head_dim: per-head dims of the MHA form
+            (qk_rope_head_dim may be 0: the NoPE layout).
+        topk: K, entries per query in ``indices``.
+        cached_lens, new_lens: [B] per-request lengths (see the module docstring).
+        dense_topk: the caller's statement that every query's top-k list is its whole causal
+            window (True), is not (False), or unknown (None: inferred as True when every window is
+            <= topk and no ``topk_length`` is given, as DSA's indexer selects every position then).
+        has_topk_length: whether a ``topk_length`` tensor comes with the indices.
+        kernels_available: whether the Triton kernels can run (CUDA, or CPU with TRITON_INTERPRET=1).
+
+    Raises:
+        TypeError, ValueError: a non-int dim or length, a negative value, mismatched list lengths.
+    """
+
+    num_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    topk: int
+    cached_lens: tuple[int, ...]
+    new_lens: tuple[int, ...]
+    dense_topk: bool | None = None
+    has_topk_length: bool = False
+    kernels_available: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "topk"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        r = self.qk_rope_head_dim
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ValueError(f"qk_rope_head_dim must be an int >= 0, got {r!r}")
+        object.__setattr__(self, "cached_lens", _lengths("cached_lens", self.cached_lens))
+        object.__setattr__(self, "new_lens", _lengths("new_lens", self.new_lens))
+        if len(self.cached_lens) != len(self.new_lens) or not self.new_lens:
+            raise ValueError(
+                f"cached_lens and new_lens must both have B >= 1 entries, got {len(self.cached_lens)} and {len(self.new_lens)}"
+            )
+        if self.dense_topk not in (None, True, False):
+            raise TypeError(f"dense_topk must be None, True or False, got {self.dense_topk!r}")
+
+    @classmethod
+    def from_model(cls, model: object, *, cached_lens: Sequence[int], new_lens: Sequence[int], tp_size: int = 1,
+                   topk: int | None = None, **flags) -> PrefillStep:
+        """A step for a model config (any object with ``num_heads``, ``kv_lora_rank``,
+        ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``, ``topk``, e.g.
+        ``sparse_mla.workloads.models.MLAConfig``), with ``num_heads // tp_size`` heads per rank.
+
+        Raises:
+            ValueError: num_heads not divisible by tp_size.
+        """
+        heads = int(model.num_heads)
+        if tp_size < 1 or heads % tp_size:
+            raise ValueError(f"tp_size must divide num_heads = {heads}, got {tp_size}")
+        return cls(heads // tp_size, int(model.kv_lora_rank), int(model.qk_nope_head_dim), int(model.qk_rope_head_dim),
+                   int(model.v_head_dim), int(topk if topk is not None else model.topk),
+                   tuple(cached_lens), tuple(new_lens), **flags)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.new_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        """T = sum(new_lens)."""
+        return sum(self.new_lens)
+
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """Per request, cached + new: the rows its last new token sees."""
+        return tuple(c + n for c, n in zip(self.cached_lens, self.new_lens))
+
+    @property
+    def max_window(self) -> int:
+        """Longest visible window of any new token (0 when no request has new tokens)."""
+        return max((c + n for c, n in zip(self.cached_lens, self.new_lens) if n > 0), default=0)
+
+    @property
+    def mha_qk_head_dim(self) -> int:
+        """qk head dim of the MHA form: qk_nope + qk_rope."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_d_qk(self) -> int:
+        """D_qk of the MQA (absorbed) form: kv_lora_rank + qk_rope."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def dense_eligible(self) -> tuple[bool, str]:
+        """Whether every query's top-k is its whole causal window, with the reason."""
+        if self.dense_topk is True:
+            return True, "caller says every top-k list is the whole causal prefix (dense_topk=True)"
+        if self.dense_topk is False:
+            return False, "caller says the top-k lists are not the whole prefix (dense_topk=False)"
+        if self.has_topk_length:
+            return False, "topk_length given: the lists may be cut short (pass dense_topk=True if they are whole prefixes)"
+        if self.max_window > self.topk:
+            return False, f"longest window {self.max_window} > topk {self.topk}: the top-k is a strict subset"
+        return True, f"every window <= topk ({self.max_window} <= {self.topk}): the top-k is the whole prefix"
+
+
+def causal_sums(cached: int, new: int, topk: int | None = None) -> int:
+    """sum over the new tokens i of min(topk, cached + i + 1) (no cap when topk is None): the keys
+    a request's queries see in total (dense) or read (sparse)."""
+    total = new * cached + new * (new + 1) // 2
+    if topk is None:
+        return total
+    m = min(max(topk - cached, 0), new)  # tokens whose window is <= topk
+    return m * cached + m * (m + 1) // 2 + (new - m) * topk
+
+
+def kernels_available(device: torch.device) -> bool:
+    """Triton kernels run on CUDA, or on the CPU through the interpreter (TRITON_INTERPRET=1)."""
+    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@dataclass(frozen=True)
+class DSAPrefillProblem:
+    """Validated tensors of one ``dsa_prefill`` call (see ``validate_dsa_prefill_args``)."""
+
+    q_nope: torch.Tensor  # [T, H, qk_nope] last dim contiguous
+    q_pe: torch.Tensor | None  # [T, H, qk_rope], None when qk_rope == 0
+    w_kv_b: torch.Tensor  # [H, qk_nope + v, r] (view of kv_b_proj.weight)
+    kv_c: torch.Tensor  # [N, r]
+    k_pe: torch.Tensor | None  # [N, qk_rope], None when qk_rope == 0
+    kv_rows: torch.Tensor | None  # [N, r + qk_rope] one row tensor when available without a copy
+    indices: torch.Tensor  # [T, K] int32
+    topk_length: torch.Tensor | None  # [T] int32
+    sm_scale: float
+    row_offsets: tuple[int, ...]  # [B] global row of each request's position 0
+    step: PrefillStep
+
+    @property
+    def w_uk(self) -> torch.Tensor:
+        """[H, qk_nope, r]: W_UK, k_nope[h] = kv_c @ w_uk[h].T."""
+        return self.w_kv_b[:, : self.step.qk_nope_head_dim]
+
+    @property
+    def w_uv(self) -> torch.Tensor:
+        """[H, v, r]: W_UV, v[h] = kv_c @ w_uv[h].T."""
+        return self.w_kv_b[:, self.step.qk_nope_head_dim:]
+
+    @property
+    def num_kv_rows(self) -> int:
+        return self.kv_c.shape[0]
+
+
+def token_windows(new_lens: Sequence[int], cached_lens: Sequence[int], row_offsets: Sequence[int],
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per new token: (lo [T] int64, win [T] int64) on ``device``; token i of request b may see the
+    global rows lo .. lo + win - 1, lo = row_offsets[b], win = cached_b + i + 1."""
+    new = torch.tensor(list(new_lens), dtype=torch.int64)
+    T = int(new.sum())
+    req = torch.repeat_interleave(torch.arange(len(new)), new)
+    first = torch.cumsum(new, 0) - new
+    i = torch.arange(T) - first[req]
+    lo = torch.tensor(list(row_offsets), dtype=torch.int64)[req]
+    win = torch.tensor(list(cached_lens), dtype=torch.int64)[req] + i + 1
+    return lo.to(device), win.to(device)
+
+
+def restrict_to_windows(indices: torch.Tensor, lo: torch.Tensor, win: torch.Tensor) -> torch.Tensor:
+    """indices [T, K] int32 with every entry outside its token's window replaced by -1 (padding)."""
+    rel = indices.long() - lo[:, None]
+    return torch.where((rel >= 0) & (rel < win[:, None]), indices, torch.full_like(indices, -1))
+
+
+def _tensor(name: str, x: object) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def _same(name: str, x: torch.Tensor, ref: torch.Tensor) -> None:
+    if x.device != ref.device:
+        raise ValueError(f"{name} is on {x.device} but q_nope is on {ref.device}; all tensors must share one device")
+    if x.dtype != ref.dtype:
+        raise TypeError(f"{name} must have the dtype of q_nope ({ref.dtype}), got {x.dtype}")
+
+
+def _joint_rows(kv_c: torch.Tensor, k_pe: torch.Tensor | None) -> torch.Tensor | None:
+    """kv_c [N, r] and k_pe [N, rope] as one [N, r + rope] view when they are adjacent columns of one
+    buffer (kv_c = kv[:, :r], k_pe = kv[:, r:]); kv_c itself when there is no rope part; else None."""
+    if k_pe is None:
+        return kv_c
+    N, r = kv_c.shape
+    if (k_pe.stride(0) == kv_c.stride(0) and kv_c.stride(1) == 1 and k_pe.stride(1) == 1
+            and k_pe.untyped_storage().data_ptr() == kv_c.untyped_storage().data_ptr()
+            and k_pe.storage_offset() == kv_c.storage_offset() + r):
+        return kv_c.as_strided((N, r + k_pe.shape[1]), (kv_c.stride(0), 1))
+    return None
+
+
+def validate_dsa_prefill_args(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor | None,
+    w_kv_b: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    kv: torch.Tensor | None = None,
+    kv_c: torch.Tensor | None = None,
+    k_pe: torch.Tensor | None = None,
+    cached_lens: Sequence[int] | torch.Tensor,
+    new_lens: Sequence[int] | torch.Tensor,
+    row_offsets: Sequence[int] | torch.Tensor | None = None,
+    sm_scale: float,
+    topk_length: torch.Tensor | None = None,
+    dense_topk: bool | None = None,
+    check: bool = False,
+    allowed_dtypes: tuple[torch.dtype, ...] = KERNEL_DTYPES,
+) -> DSAPrefillProblem:
+    """Check the arguments of ``dsa_prefill`` / ``dsa_prefill_ref`` and normalize them.
+
+    See ``sparse_mla.layer.dsa_prefill`` for the meaning of each argument.
+
+    Raises:
+        TypeError: a non-tensor where a tensor is expected, a dtype outside ``allowed_dtypes`` or
+            different from q_nope's, non-int32 indices / topk_length, non-int lengths.
+        ValueError: shape, device or layout mismatches (named), both or neither of kv / kv_c,
+            lengths that do not add up to T, a request window past the end of the cache, a
+            non-finite sm_scale; with ``check=True`` also: topk_length outside [0, K], a valid entry
+            outside its query's causal window, a repeated row in one list, and (when the dense
+            path would be eligible) a list that is not the whole window.
+    """
+    q_nope = _tensor("q_nope", q_nope)
+    if q_nope.dim() != 3 or q_nope.shape[1] < 1 or q_nope.shape[2] < 1:
+        raise ValueError(f"q_nope must be [T, H, qk_nope_head_dim] with H, qk_nope_head_dim >= 1, got {tuple(q_nope.shape)}")
+    if q_nope.dtype not in allowed_dtypes:
+        raise TypeError(f"q_nope must have dtype in {allowed_dtypes}, got {q_nope.dtype}")
+    if q_nope.stride(-1) != 1:
+        raise ValueError(f"q_nope must be contiguous in its last dim, got strides {q_nope.stride()}")
+    T, H, d_nope = q_nope.shape
+    d_rope = 0
+    if q_pe is not None:
+        q_pe = _tensor("q_pe", q_pe)
+        _same("q_pe", q_pe, q_nope)
+        if q_pe.dim() != 3 or q_pe.shape[:2] != (T, H):
+            raise ValueError(f"q_pe must be [T, H, qk_rope_head_dim] = [{T}, {H}, *] or None, got shape {tuple(q_pe.shape)}")
+        d_rope = q_pe.shape[2]
+        if d_rope == 0:
+            q_pe = None
+        elif q_pe.stride(-1) != 1:
+            raise ValueError(f"q_pe must be contiguous in its last dim, got strides {q_pe.stride()}")
+
+    w_kv_b = _tensor("w_kv_b", w_kv_b)
+    _same("w_kv_b", w_kv_b, q_nope)
+    if w_kv_b.dim() != 2 or w_kv_b.shape[0] % H or w_kv_b.shape[0] // H <= d_nope:
+        raise ValueError(
+            f"w_kv_b (kv_b_proj.weight) must be [H * (qk_nope_head_dim + v_head_dim), kv_lora_rank] with "
+            f"H = {H}, qk_nope_head_dim = {d_nope} and v_head_dim >= 1, got shape {tuple(w_kv_b.shape)}"
+        )
+    r = w_kv_b.shape[1]
+    d_v = w_kv_b.shape[0] // H - d_nope
+    w3 = w_kv_b.reshape(H, d_nope + d_v, r)
+
+    if (kv is None) == (kv_c is None):
+        raise ValueError("pass exactly one of kv ([N, kv_lora_rank + qk_rope_head_dim] rows) or kv_c ([N, kv_lora_rank]; k_pe)")
+    if kv is not None:
+        kv = flatten_kv(_tensor("kv", kv))
+        _same("kv", kv, q_nope)
+        if k_pe is not None:
+            raise ValueError("k_pe must be None when kv holds whole rows (k_pe = kv[:, kv_lora_rank:])")
+        if kv.shape[1] != r + d_rope or kv.stride(-1) != 1:
+            raise ValueError(
+                f"kv must be [N, kv_lora_rank + qk_rope_head_dim] = [N, {r + d_rope}] with a contiguous last dim, "
+                f"got shape {tuple(kv.shape)} strides {kv.stride()}"
+            )
+        kv_rows = kv
+        kv_c = kv[:, :r]
+        k_pe = kv[:, r:] if d_rope else None
+    else:
+        kv_c = flatten_kv(_tensor("kv_c", kv_c))
+        _same("kv_c", kv_c, q_nope)
+        if kv_c.shape[1] != r or kv_c.stride(-1) != 1:
+            raise ValueError(f"kv_c must be [N, kv_lora_rank] = [N, {r}] with a contiguous last dim, got {tuple(kv_c.shape)}")
+        if d_rope:
+            if k_pe is None:
+                raise ValueError(f"k_pe [N, {d_rope}] is required when q_pe has qk_rope_head_dim = {d_rope}")
+            k_pe = flatten_kv(_tensor("k_pe", k_pe))
+            _same("k_pe", k_pe, q_nope)
+            if k_pe.shape != (kv_c.shape[0], d_rope) or k_pe.stride(-1) != 1:
+                raise ValueError(f"k_pe must be [N, qk_rope_head_dim] = [{kv_c.shape[0]}, {d_rope}] with a contiguous last dim, "
+                                 f"got shape {tuple(k_pe.shape)}")
+        elif k_pe is not None and k_pe.numel() != 0:
+            raise ValueError(f"k_pe given with {k_pe.shape[-1]} columns but q_pe has qk_rope_head_dim = 0")
+        else:
+            k_pe = None
+        kv_rows = _joint_rows(kv_c, k_pe)
+    N = kv_c.shape[0]
+
+    indices = _tensor("indices", indices)
+    if indices.device != q_nope.device:
+        raise ValueError(f"indices is on {indices.device} but q_nope is on {q_nope.device}")
+    if indices.dtype != torch.int32:
+        raise TypeError(f"indices must be int32 [T, K] or [T, 1, K] (global kv rows, -1 = padding), got {indices.dtype}")
+    if indices.dim() == 3 and indices.shape[1] == 1:
+        indices = indices[:, 0]
+    if indices.dim() != 2 or indices.shape[0] != T or indices.shape[1] < 1:
+        raise ValueError(f"indices must be [T, K] or [T, 1, K] with T = {T} and K >= 1, got shape {tuple(indices.shape)}")
+    indices = indices.contiguous()
+    K = indices.shape[1]
+    if topk_length is not None:
+        topk_length = _tensor("topk_length", topk_length)
+        if topk_length.dtype != torch.int32 or topk_length.shape != (T,) or topk_length.device != q_nope.device:
+            raise TypeError(f"topk_length must be int32 [T] = [{T}] on {q_nope.device}, got {topk_length.dtype} "
+                            f"{tuple(topk_length.shape)} on {topk_length.device}")
+        topk_length = topk_length.contiguous()
+
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(float(sm_scale)):
+        raise ValueError(f"sm_scale must be a finite float (the softmax scale), got {sm_scale!r}")
+
+    cached = _lengths("cached_lens", cached_lens)
+    new = _lengths("new_lens", new_lens)
+    if len(cached) != len(new) or not new:
+        raise ValueError(f"cached_lens and new_lens must both have B >= 1 entries, got {len(cached)} and {len(new)}")
+    if sum(new) != T:
+        raise ValueError(f"new_lens must add up to T = {T} (the rows of q_nope), got sum {sum(new)}")
+    if row_offsets is None:
+        offs, acc = [], 0
+        for c, n in zip(cached, new):
+            offs.append(acc)
+            acc += c + n
+        row_offsets = tuple(offs)
+    else:
+        row_offsets = _lengths("row_offsets", row_offsets)
+        if len(row_offsets) != len(new):
+            raise ValueError(f"row_offsets must have B = {len(new)} entries, got {len(row_offsets)}")
+    for b, (o, c, n) in enumerate(zip(row_offsets, cached, new)):
+        if o + c + n > N:
+            raise ValueError(f"request {b}: rows row_offsets + cached + new = {o} + {c} + {n} exceed the cache's N = {N} rows")
+
+    step = PrefillStep(H, r, d_nope, d_rope, d_v, K, cached, new, dense_topk=dense_topk,
+                       has_topk_length=topk_length is not None, kernels_available=kernels_available(q_nope.device))
+    p = DSAPrefillProblem(q_nope, q_pe, w3, kv_c, k_pe, kv_rows, indices, topk_length, float(sm_scale), row_offsets, step)
+    if check:
+        check_layer_contents(p)
+    return p
+
+
+def check_layer_contents(p: DSAPrefillProblem) -> None:
+    """The checked mode (syncs the device).
+
+    Raises:
+        ValueError: topk_length outside [0, K]; a counted entry >= 0 outside its query's causal
+            window; a row listed twice for one query; a list that is not the whole window when the
+            step is dense-eligible (``PrefillStep.dense_eligible``).
+    """
+    idx = p.indices
+    T, K = idx.shape
+    if T == 0:
+        return
+    counted = torch.ones_like(idx, dtype=torch.bool)
+    if p.topk_length is not None:
+        bad = (p.topk_length < 0) | (p.topk_length > K)
+        if bool(bad.any()):
+            t = int(bad.nonzero()[0, 0])
+            raise ValueError(f"topk_length[{t}] = {int(p.topk_length[t])} is outside [0, K = {K}]")
+        counted = torch.arange(K, device=idx.device)[None, :] < p.topk_length[:, None]
+    lo, win = token_windows(p.step.new_lens, p.step.cached_lens, p.row_offsets, idx.device)
+    rel = idx.long() - lo[:, None]
+    inside = (rel >= 0) & (rel < win[:, None])
+    outside = counted & (idx >= 0) & ~inside
+    if bool(outside.any()):
+        t, j = (int(v) for v in outside.nonzero()[0])
+        raise ValueError(f"indices[{t}, {j}] = {int(idx[t, j])} is outside the causal window of token {t} "
+                         f"(rows {int(lo[t])} .. {int(lo[t] + win[t] - 1)}) (check=True)")
+    valid = counted & inside
+    keyed = torch.where(valid, idx.long(), -1 - torch.arange(K, device=idx.device, dtype=torch.long)[None, :])
+    s, _ = keyed.sort(dim=1)
+    dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
+    if bool(dup.any()):
+        t = int(dup.nonzero()[0, 0])
+        raise ValueError(f"indices[{t}] lists a row more than once; top-k rows of one query must be distinct (check=True)")
+    dense, _ = p.step.dense_eligible
+    if dense:
+        short = valid.sum(1) != win
+        if bool(short.any()):
+            t = int(short.nonzero()[0, 0])
+            raise ValueError(f"token {t}: its top-k list holds {int(valid[t].sum())} of the {int(win[t])} rows of its window, "
+                             "but the step is dense-eligible (pass dense_topk=False if the lists may be partial) (check=True)")

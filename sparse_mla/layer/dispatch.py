@@ -1,0 +1,197 @@
+"""Which path computes a prefill step: the registry, the thresholds, forcing, and the explanation.
+
+Plain Python on a ``PrefillStep`` (no tensors), so every decision is testable on the CPU.
+
+Automatic order (the first that applies wins):
+
+1. ``dense_mha`` when every top-k list is the whole causal window (``PrefillStep.dense_eligible``):
+   it does the fewest FLOPs at the best rate.
+2. ``masked_mha`` when the MHA work over the causal windows is at most
+   ``masked_mha_max_work_ratio`` (per heads-per-rank bucket) times the sparse MQA work over the
+   top-k, and no window exceeds ``masked_mha_max_window``.
+3. ``mqa_grouped`` when H <= 64 (two or more queries per 128-row tile) and the step has at least
+   ``grouped_min_tokens`` new tokens.
+4. ``mqa_per_token``.
+5. Any path whose ``supports`` holds (e.g. masked MHA for dims the MQA kernels do not take).
+
+Forcing: ``path=`` (argument) or the environment variable ``SPARSE_MLA_PATH`` (read when the
+argument is None or "auto"). A forced path that does not support the step is **not** an error: the
+automatic choice runs instead, a ``PathFallbackWarning`` is issued and logged at WARNING with the
+reason, and the decision records ``fell_back=True``. An unknown name in ``path=`` raises ValueError;
+an unknown name in the environment variable warns and is ignored (a typo in the environment must not
+stop a server).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field
+
+from .config import PrefillStep, causal_sums
+from .paths import DenseMHA, MaskedMHA, SparseMQA
+
+logger = logging.getLogger("sparse_mla")
+
+ENV_VAR = "SPARSE_MLA_PATH"
+
+# The registry: name -> path object (supports(step) -> (ok, reason), run(problem) -> o).
+PATHS = {p.name: p for p in (DenseMHA(), MaskedMHA(), SparseMQA("grouped"), SparseMQA("per_token"))}
+PATH_NAMES = tuple(PATHS)
+
+# ---------------------------------------------------------------------------------------------
+# Crossover thresholds: the ONE table. Measured by `python scripts/sweep_paths.py` on an H200
+# (it prints the values its timings imply and writes them to $OUT/sweep_paths.json).
+# Current values are ESTIMATES from KERNEL-NOTES.md until that run: dense / masked MHA ~400 TFLOP/s
+# at any head count; sparse MQA ~250 (grouped, H 16), ~300 (H 32), ~330 (H 64), ~500 (per token,
+# H 128) TFLOP/s of useful work. Masked MHA wins when work_mha / work_sparse < rate_mha / rate_sparse.
+# ---------------------------------------------------------------------------------------------
+THRESHOLDS = {
+    # (max heads per rank, largest work_mha / work_sparse at which masked MHA is chosen)
+    "masked_mha_max_work_ratio": ((16, 1.6), (32, 1.35), (64, 1.2), (128, 0.8)),
+    # masked MHA only when no request window (cached + new) is longer than this
+    "masked_mha_max_window": 16384,
+    # grouped sparse MQA only when the step has at least this many new tokens (else per token)
+    "grouped_min_tokens": 256,
+}
+
+
+class PathFallbackWarning(UserWarning):
+    """A forced path does not support the step; the automatic choice ran instead."""
+
+
+def mha_work(step: PrefillStep) -> int:
+    """FLOPs of causal MHA over every query's whole window: 2 H (qk_nope + qk_rope + v) sum(window)."""
+    keys = sum(causal_sums(c, n) for c, n in zip(step.cached_lens, step.new_lens))
+    return 2 * step.num_heads * (step.mha_qk_head_dim + step.v_head_dim) * keys
+
+
+def sparse_work(step: PrefillStep) -> int:
+    """Useful FLOPs of sparse MQA: 2 H (kv_lora + qk_rope + kv_lora) sum(min(topk, window))."""
+    keys = sum(causal_sums(c, n, step.topk) for c, n in zip(step.cached_lens, step.new_lens))
+    return 2 * step.num_heads * (step.latent_d_qk + step.kv_lora_rank) * keys
+
+
+def work_ratio(step: PrefillStep) -> float:
+    """mha_work / sparse_work (inf when the step has no work)."""
+    s = sparse_work(step)
+    return mha_work(step) / s if s else float("inf")
+
+
+def masked_ratio_limit(num_heads: int) -> float:
+    """The table's masked-MHA work-ratio limit for this many heads per rank."""
+    table = THRESHOLDS["masked_mha_max_work_ratio"]
+    for heads, ratio in table:
+        if num_heads <= heads:
+            return ratio
+    return table[-1][1]
+
+
+@dataclass(frozen=True)
+class PathDecision:
+    """The outcome of ``explain``: the path that runs, why, and every path's ``supports`` answer."""
+
+    path: str
+    reason: str
+    requested: str | None = None  # the forced name (argument or environment), None for automatic
+    fell_back: bool = False  # a forced path did not support the step
+    supports: dict[str, tuple[bool, str]] = field(default_factory=dict)
+    work_ratio: float = float("nan")
+
+    def __str__(self) -> str:
+        lines = [f"path: {self.path} ({self.reason})"]
+        lines += [f"  {name}: {'yes' if ok else 'no'} - {why}" for name, (ok, why) in self.supports.items()]
+        return "\n".join(lines)
+
+
+def _requested(path: str | None) -> tuple[str | None, str]:
+    if path is not None and path != "auto":
+        if path not in PATHS:
+            raise ValueError(f"path must be 'auto' or one of {PATH_NAMES}, got {path!r}")
+        return path, "path="
+    env = os.environ.get(ENV_VAR, "").strip()
+    if not env or env == "auto":
+        return None, ""
+    if env not in PATHS:
+        msg = f"{ENV_VAR}={env!r} is not a path ({PATH_NAMES}); ignoring it"
+        logger.warning(msg)
+        warnings.warn(msg, PathFallbackWarning, stacklevel=4)
+        return None, ""
+    return env, f"{ENV_VAR}="
+
+
+def _auto(step: PrefillStep, sup: dict[str, tuple[bool, str]], ratio: float) -> tuple[str, str]:
+    if sup["dense_mha"][0]:
+        return "dense_mha", sup["dense_mha"][1]
+    limit = masked_ratio_limit(step.num_heads)
+    max_win = THRESHOLDS["masked_mha_max_window"]
+    if sup["masked_mha"][0] and ratio <= limit and step.max_window <= max_win:
+        return "masked_mha", (f"MHA/sparse work ratio {ratio:.2f} <= {limit} for H = {step.num_heads} "
+                              f"and longest window {step.max_window} <= {max_win}")
+    why_not_masked = (sup["masked_mha"][1] if not sup["masked_mha"][0] else
+                      f"MHA/sparse work ratio {ratio:.2f} > {limit}" if ratio > limit else
+                      f"longest window {step.max_window} > {max_win}")
+    min_tok = THRESHOLDS["grouped_min_tokens"]
+    if sup["mqa_grouped"][0] and step.num_tokens >= min_tok:
+        return "mqa_grouped", (f"H = {step.num_heads} <= 64 and T = {step.num_tokens} >= {min_tok}; "
+                               f"not masked MHA: {why_not_masked}")
+    if sup["mqa_per_token"][0]:
+        why_not_grouped = sup["mqa_grouped"][1] if not sup["mqa_grouped"][0] else f"T = {step.num_tokens} < {min_tok}"
+        return "mqa_per_token", f"not grouped: {why_not_grouped}; not masked MHA: {why_not_masked}"
+    for name, (ok, why) in sup.items():
+        if ok:
+            return name, f"the only supported path: {why}"
+    details = "; ".join(f"{n}: {w}" for n, (_, w) in sup.items())
+    raise ValueError(f"no path supports this step ({details})")
+
+
+def explain(step: PrefillStep, path: str | None = None) -> PathDecision:
+    """The decision for ``step`` with every path's ``supports`` answer (no logging, no warning
+    except for an unknown name in the environment variable).
+
+    Args:
+        step: the plain-Python step description.
+        path: None or "auto" (automatic, or the environment variable if set), or a path name.
+
+    Returns:
+        ``PathDecision``; ``fell_back`` is True when the forced path does not support the step.
+
+    Raises:
+        ValueError: an unknown ``path`` name; no path supports the step.
+    """
+    if not isinstance(step, PrefillStep):
+        raise TypeError(f"step must be a PrefillStep, got {type(step).__name__}")
+    requested, source = _requested(path)
+    sup = {name: p.supports(step) for name, p in PATHS.items()}
+    ratio = work_ratio(step)
+    if requested is not None and sup[requested][0]:
+        return PathDecision(requested, f"forced by {source}{requested}", requested, False, sup, ratio)
+    name, why = _auto(step, sup, ratio)
+    if requested is not None:
+        why = f"forced {requested} ({source}) does not support the step: {sup[requested][1]}; fell back to {name}: {why}"
+        return PathDecision(name, why, requested, True, sup, ratio)
+    return PathDecision(name, why, None, False, sup, ratio)
+
+
+def choose_path(step: PrefillStep, path: str | None = None) -> tuple[str, str]:
+    """(path name, reason) for ``step``; see ``explain`` (which this wraps) and the module docstring."""
+    d = explain(step, path)
+    return d.path, d.reason
+
+
+def decide_and_log(step: PrefillStep, path: str | None = None) -> PathDecision:
+    """``explain``, plus the one log line of a call (DEBUG; WARNING and a ``PathFallbackWarning``
+    when a forced path fell back)."""
+    d = explain(step, path)
+    if d.fell_back:
+        logger.warning("dsa_prefill: %s", d.reason)
+        warnings.warn(d.reason, PathFallbackWarning, stacklevel=3)
+    else:
+        logger.debug("dsa_prefill: path=%s T=%d H=%d B=%d max_window=%d topk=%d (%s)", d.path, step.num_tokens,
+                     step.num_heads, step.num_requests, step.max_window, step.topk, d.reason)
+    return d
+
+
+__all__ = ["PATHS", "PATH_NAMES", "THRESHOLDS", "ENV_VAR", "PathDecision", "PathFallbackWarning", "explain",
+           "choose_path", "decide_and_log", "mha_work", "sparse_work", "work_ratio", "masked_ratio_limit"]
