@@ -123,12 +123,22 @@ def grouped_runs(quick: bool) -> None:
 
         def union_build():
             plan_groups(T, G, None, gs, gl, route)
-            build_union(idx, None, N, G, gs, gl, route, ws.union_tables, ws.union_table_q, ws.union_spill,
+            build_union(idx, None, N, G, gs, gl, route, ws.union_tables, ws.union_table_q,
                         ws.union_rows, ws.union_bits, ul)
 
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        per_sm = {}
+        for p in (2, 4, 8):
+            def union_p(p=p):
+                plan_groups(T, G, None, gs, gl, route)
+                build_union(idx, None, N, G, gs, gl, route, ws.union_tables[: p * sms], ws.union_table_q[: p * sms],
+                            ws.union_rows, ws.union_bits, ul)
+            per_sm[p] = bench(union_p)
+        print(f"union build programs/SM -> ms: {per_sm}", flush=True)
         t_union = bench(union_build)
         union_build()
-        row = dict(kind="grouped", H=H, T=T, K=K, N=N, G=G, sigma=sigma, union_ratio=ratio, union_ms=t_union)
+        row = dict(kind="grouped", H=H, T=T, K=K, N=N, G=G, sigma=sigma, union_ratio=ratio, union_ms=t_union,
+                   union_ms_by_programs_per_sm=per_sm)
         print(f"union build {t_union:.3f} ms", flush=True)
         for bm, cfg in ((64, (64, 8, 2)), (64, (64, 8, 3))):
             try:

@@ -22,10 +22,15 @@ def default_group_size(num_heads: int) -> int:
     return max(1, min(16, 128 // num_heads))
 
 
+# Union builder programs per SM (each holds one hash table): NOTES-GPU.md, scripts/gpu_tune.py.
+UNION_PROGRAMS_PER_SM = 8
+
+
 def _union_programs(device: torch.device) -> int:
-    """Persistent programs of the hash union builder: 2 per SM on a GPU, 2 under the interpreter."""
+    """Persistent programs of the hash union builder: UNION_PROGRAMS_PER_SM per SM on a GPU, 2 under
+    the interpreter."""
     if device.type == "cuda":
-        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        return UNION_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
     return 2
 
 
@@ -64,7 +69,6 @@ class SparseMLAWorkspace:
         slots = hash_table_slots(G, K)
         self.union_tables = torch.full((n_tables, slots), -1, dtype=torch.int32, device=dev)
         self.union_table_q = torch.zeros((n_tables, slots * membership_bytes(G)), dtype=torch.int8, device=dev)
-        self.union_spill = torch.empty((n_tables, 3 * g_p * k_p), dtype=torch.int32, device=dev)
 
     @classmethod
     def for_problem(cls, num_tokens: int, topk: int, num_heads: int, num_kv_rows: int,
@@ -87,4 +91,4 @@ class SparseMLAWorkspace:
         """Device bytes held."""
         return sum(t.numel() * t.element_size() for t in (
             self.group_start, self.group_len, self.union_len, self.route, self.union_rows, self.union_bits,
-            self.union_tables, self.union_table_q, self.union_spill))
+            self.union_tables, self.union_table_q))

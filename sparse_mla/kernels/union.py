@@ -68,107 +68,83 @@ def _plan_groups_kernel(
 
 @triton.jit
 def _build_union_kernel(
-    IDX, TOPK_LEN, GROUP_START, GROUP_LEN, ROUTE, TABLE, TABLE_Q, SPILL, ROWS, BITS, ULEN,
+    IDX, TOPK_LEN, GROUP_START, GROUP_LEN, ROUTE, TABLE, TABLE_Q, ROWS, BITS, ULEN,
     stride_it, stride_rg, N, K, num_groups, guard_ratio,
-    G_P: tl.constexpr, K_P: tl.constexpr, QB: tl.constexpr, LOG_S: tl.constexpr, BLOCK_C: tl.constexpr,
+    G_P: tl.constexpr, QB: tl.constexpr, LOG_S: tl.constexpr, BLOCK_E: tl.constexpr,
     HAS_TOPK_LEN: tl.constexpr, GUARD: tl.constexpr,
 ):
-    """Program p owns table p: TABLE [S] int32 rows (-1 = empty), TABLE_Q [S, QB] int8 membership
-    bytes (0), SPILL [3, G_P * K_P] int32, and builds groups p, p + nprog, ...
+    """Program p owns table p: TABLE [S] int32 rows (-1 = empty) and TABLE_Q [S, QB] int8
+    membership bytes (0), and builds groups p, p + nprog, ...
 
-    Round 1: every valid entry CASes its row into slot hash(row); an entry that finds its row or an
-    empty slot is placed: it sets byte [slot, i] (plain store: rows of one list are distinct, so no
-    two entries write the same byte), and the entry that filled the slot appends the row to the
-    union (prefix sum). The few collided entries are compacted into SPILL and probe on (linear
-    probing) in small chunks, so that lanes with nothing left to do issue no atomics. Finally the
-    bytes of each union row are packed into its membership word and the touched slots are reset.
+    Entries are taken BLOCK_E at a time (one query's list in chunks, so no tensor is larger than
+    BLOCK_E). Each valid entry CASes its row into slot hash(row); an entry that finds its row or an
+    empty slot is placed: it sets byte [slot, i] (a plain store: rows of one list are distinct, so
+    no two entries write the same byte), and the entry that filled the slot appends the row to the
+    union (prefix sum); the others probe the next slot (linear probing) until placed. Then the bytes
+    of each union row are packed into its membership word and the touched slots are reset.
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     S: tl.constexpr = 1 << LOG_S
-    TOTAL: tl.constexpr = G_P * K_P
     table = TABLE + pid.to(tl.int64) * S
     table_q = TABLE_Q + pid.to(tl.int64) * (S * QB)
-    spill = SPILL + pid.to(tl.int64) * (3 * TOTAL)
-    offs_i = tl.arange(0, G_P)
-    offs_k = tl.arange(0, K_P)
-    offs_c = tl.arange(0, BLOCK_C)
+    offs_e = tl.arange(0, BLOCK_E)
     offs_b = tl.arange(0, QB)
-    qidx = tl.reshape(tl.broadcast_to(offs_i[:, None], [G_P, K_P]), [TOTAL])
     for g in range(pid, num_groups, nprog):
         glen = tl.load(GROUP_LEN + g)
         u = glen * 0
         if glen > 0:
             t0 = tl.load(GROUP_START + g)
-            q_ok = offs_i < glen
-            tok = (t0 + offs_i).to(tl.int64)
-            count = tl.full([G_P], K, tl.int32)
-            if HAS_TOPK_LEN:
-                count = tl.minimum(tl.load(TOPK_LEN + tok, mask=q_ok, other=0), K)
-            in_list = q_ok[:, None] & (offs_k[None, :] < count[:, None])
-            idx = tl.load(IDX + tok[:, None] * stride_it + offs_k[None, :], mask=in_list, other=-1)
-            valid = in_list & (idx >= 0) & (idx < N)
-            n_valid = tl.sum(tl.sum(valid.to(tl.int32), 1), 0)
-            row = tl.reshape(tl.where(valid, idx, -1), [TOTAL])
-            act = tl.reshape(valid, [TOTAL])
-            h = ((row.to(tl.uint32) * 0x9E3779B1) >> (32 - LOG_S)).to(tl.int32)
             g64 = pid.to(tl.int64) * 0 + g
             out_rows = ROWS + g64 * stride_rg
             out_bits = BITS + g64 * stride_rg  # holds each union row's slot until the last pass
-            # round 1, all entries (an invalid entry CASes -1 -> -1: no change)
-            old = tl.atomic_cas(table + h, tl.full([TOTAL], -1, tl.int32), row)
-            placed = act & ((old == -1) | (old == row))
-            inserted = act & (old == -1)
-            tl.store(table_q + h * QB + qidx, tl.full([TOTAL], 1, tl.int8), mask=placed)
-            ins = inserted.to(tl.int32)
-            pos = tl.cumsum(ins, 0) - 1
-            tl.store(out_rows + pos, row, mask=inserted)
-            tl.store(out_bits + pos, h, mask=inserted)
-            u += tl.sum(ins, 0)
-            left = act & (placed == 0)
-            n_left = tl.sum(left.to(tl.int32), 0)
-            if n_left > 0:
-                lpos = tl.cumsum(left.to(tl.int32), 0) - 1
-                tl.store(spill + lpos, row, mask=left)
-                tl.store(spill + TOTAL + lpos, qidx, mask=left)
-                tl.store(spill + 2 * TOTAL + lpos, (h + 1) & (S - 1), mask=left)
-                tl.debug_barrier()
-                for c0 in range(0, n_left, BLOCK_C):
-                    c = c0 + offs_c
-                    a = c < n_left
-                    r = tl.load(spill + c, mask=a, other=-1)
-                    qi = tl.load(spill + TOTAL + c, mask=a, other=0)
-                    hc = tl.load(spill + 2 * TOTAL + c, mask=a, other=0)
-                    n_a = tl.sum(a.to(tl.int32), 0)
+            n_valid = glen * 0
+            for i in range(0, glen):
+                tok = (t0 + i).to(tl.int64)
+                count = K
+                if HAS_TOPK_LEN:
+                    count = tl.minimum(tl.maximum(tl.load(TOPK_LEN + tok), 0), K)
+                for k0 in range(0, count, BLOCK_E):
+                    k = k0 + offs_e
+                    row = tl.load(IDX + tok * stride_it + k, mask=k < count, other=-1)
+                    act = (row >= 0) & (row < N)
+                    row = tl.where(act, row, -1)
+                    n_a = tl.sum(act.to(tl.int32), 0)
+                    n_valid += n_a
+                    h = ((row.to(tl.uint32) * 0x9E3779B1) >> (32 - LOG_S)).to(tl.int32)
                     while n_a > 0:
-                        o = tl.atomic_cas(table + hc, tl.full([BLOCK_C], -1, tl.int32), tl.where(a, r, -1))
-                        pl = a & ((o == -1) | (o == r))
-                        ins_c = (a & (o == -1)).to(tl.int32)
-                        tl.store(table_q + hc * QB + qi, tl.full([BLOCK_C], 1, tl.int8), mask=pl)
-                        p_c = u + tl.cumsum(ins_c, 0) - 1
-                        tl.store(out_rows + p_c, r, mask=ins_c != 0)
-                        tl.store(out_bits + p_c, hc, mask=ins_c != 0)
-                        u += tl.sum(ins_c, 0)
-                        a = a & (pl == 0)
-                        hc = tl.where(a, (hc + 1) & (S - 1), hc)
-                        n_a = tl.sum(a.to(tl.int32), 0)
+                        # a lane with nothing to insert CASes -1 -> -1: no change
+                        old = tl.atomic_cas(table + h, tl.full([BLOCK_E], -1, tl.int32), row)
+                        placed = act & ((old == -1) | (old == row))
+                        inserted = act & (old == -1)
+                        tl.store(table_q + h * QB + i, tl.full([BLOCK_E], 1, tl.int8), mask=placed)
+                        ins = inserted.to(tl.int32)
+                        pos = u + tl.cumsum(ins, 0) - 1
+                        tl.store(out_rows + pos, row, mask=inserted)
+                        tl.store(out_bits + pos, h, mask=inserted)
+                        u += tl.sum(ins, 0)
+                        act = act & (placed == 0)
+                        row = tl.where(act, row, -1)
+                        h = tl.where(act, (h + 1) & (S - 1), h)
+                        n_a = tl.sum(act.to(tl.int32), 0)
             tl.debug_barrier()
-            for c0 in range(0, u, BLOCK_C):
-                c = c0 + offs_c
+            for c0 in range(0, u, BLOCK_E):
+                c = c0 + offs_e
                 cm = c < u
                 slot = tl.load(out_bits + c, mask=cm, other=0)
                 qptr = table_q + slot[:, None] * QB + offs_b[None, :]
                 qbytes = tl.load(qptr, mask=cm[:, None], other=0)
                 word = tl.sum(qbytes.to(tl.int32) << offs_b[None, :], 1)
-                tl.store(qptr, tl.zeros([BLOCK_C, QB], tl.int8), mask=cm[:, None])
-                tl.atomic_xchg(table + slot, tl.full([BLOCK_C], -1, tl.int32), mask=cm)
+                tl.store(qptr, tl.zeros([BLOCK_E, QB], tl.int8), mask=cm[:, None])
+                tl.atomic_xchg(table + slot, tl.full([BLOCK_E], -1, tl.int32), mask=cm)
                 tl.store(out_bits + c, word, mask=cm)
             tl.debug_barrier()
             if GUARD:
                 # union rows per mean valid list: too many and grouping is slower than per token
                 if u.to(tl.float32) * glen.to(tl.float32) > guard_ratio * n_valid.to(tl.float32):
                     tl.store(GROUP_LEN + g, 0)
-                    tl.store(ROUTE + tok, tl.full([G_P], 1, tl.int8), mask=q_ok)
+                    offs_i = tl.arange(0, G_P)
+                    tl.store(ROUTE + t0 + offs_i, tl.full([G_P], 1, tl.int8), mask=offs_i < glen)
         tl.store(ULEN + g, u)
 
 
@@ -201,14 +177,14 @@ def membership_bytes(group_size: int) -> int:
 def build_union(
     indices: torch.Tensor, topk_length: torch.Tensor | None, num_kv_rows: int, group_size: int,
     group_start: torch.Tensor, group_len: torch.Tensor, route: torch.Tensor,
-    tables: torch.Tensor, table_q: torch.Tensor, spill: torch.Tensor,
+    tables: torch.Tensor, table_q: torch.Tensor,
     rows: torch.Tensor, bits: torch.Tensor, union_len: torch.Tensor,
     guard_ratio: float | None = None,
 ) -> None:
     """Launch the union builder over ``group_start.shape[0]`` groups (buffers from a workspace).
 
     indices [T, K] int32, topk_length [T] int32 or None; tables [P, S] int32 (all -1), table_q
-    [P, S * QB] int8 (all 0), spill [P, 3 * G_P * K_P] int32: per-program scratch, left clean.
+    [P, S * QB] int8 (all 0): per-program hash tables, left clean.
     Writes rows / bits [num_groups, >= G * K] int32 (first union_len[g] entries) and union_len.
     With ``guard_ratio``, a group whose union holds more than ``guard_ratio`` times its mean valid
     list length gets ``group_len = 0`` and its tokens ``route = 1`` (they run per token).
@@ -217,13 +193,11 @@ def build_union(
     if num_groups == 0:
         return
     K = indices.shape[1]
-    g_p, k_p = triton.next_power_of_2(group_size), triton.next_power_of_2(K)
-    total = g_p * k_p
-    warps = 4 if total <= 2048 else 8
     _build_union_kernel[(min(tables.shape[0], num_groups),)](
         indices, topk_length if topk_length is not None else indices, group_start, group_len, route,
-        tables, table_q, spill, rows, bits, union_len,
+        tables, table_q, rows, bits, union_len,
         indices.stride(0), rows.stride(0), num_kv_rows, K, num_groups, float(guard_ratio or 0.0),
-        G_P=g_p, K_P=k_p, QB=membership_bytes(group_size), LOG_S=tables.shape[1].bit_length() - 1,
-        BLOCK_C=256, HAS_TOPK_LEN=topk_length is not None, GUARD=guard_ratio is not None, num_warps=warps,
+        G_P=triton.next_power_of_2(group_size), QB=membership_bytes(group_size),
+        LOG_S=tables.shape[1].bit_length() - 1, BLOCK_E=min(1024, triton.next_power_of_2(K)),
+        HAS_TOPK_LEN=topk_length is not None, GUARD=guard_ratio is not None, num_warps=4,
     )
