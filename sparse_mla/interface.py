@@ -201,6 +201,8 @@ def build_group_union(
         plan_groups(T, group_size, None, gs, gl, ws.route[:T])
         build_union(indices, topk_length, N, group_size, gs, gl, ws.route[:T], ws.union_tables,
                     ws.union_table_q, rows, bits, ul)
+    if T > 0 and bool((ul < 0).any()):
+        raise RuntimeError("build_group_union: a group's hash probing overflowed (not expected); please report the input")
     # The kernel's union is unsorted; this inspection API returns it sorted, -1 / 0 after the end.
     in_union = torch.arange(rows.shape[1], device=rows.device)[None, :] < ul[:, None].long()
     keys, order = torch.where(in_union, rows, torch.iinfo(torch.int32).max).sort(dim=1)

@@ -19,6 +19,9 @@ import triton
 import triton.language as tl
 
 MAX_GROUP_SIZE = 16
+# Linear-probing rounds per entry chunk; a group that needs more (not expected at load factor
+# <= 1/2) is reported with union_len = -1 and routed per token.
+MAX_PROBES = 64
 
 
 @triton.jit
@@ -71,7 +74,7 @@ def _build_union_kernel(
     IDX, TOPK_LEN, GROUP_START, GROUP_LEN, ROUTE, TABLE, TABLE_Q, ROWS, BITS, ULEN,
     stride_it, stride_rg, N, K, num_groups, guard_ratio,
     G_P: tl.constexpr, QB: tl.constexpr, LOG_S: tl.constexpr, BLOCK_E: tl.constexpr,
-    HAS_TOPK_LEN: tl.constexpr, GUARD: tl.constexpr,
+    HAS_TOPK_LEN: tl.constexpr, GUARD: tl.constexpr, MAX_PROBES: tl.constexpr,
 ):
     """Program p owns table p: TABLE [S] int32 rows (-1 = empty) and TABLE_Q [S, QB] int8
     membership bytes (0), and builds groups p, p + nprog, ...
@@ -89,7 +92,6 @@ def _build_union_kernel(
     table = TABLE + pid.to(tl.int64) * S
     table_q = TABLE_Q + pid.to(tl.int64) * (S * QB)
     offs_e = tl.arange(0, BLOCK_E)
-    offs_b = tl.arange(0, QB)
     for g in range(pid, num_groups, nprog):
         glen = tl.load(GROUP_LEN + g)
         u = glen * 0
@@ -99,22 +101,25 @@ def _build_union_kernel(
             out_rows = ROWS + g64 * stride_rg
             out_bits = BITS + g64 * stride_rg  # holds each union row's slot until the last pass
             n_valid = glen * 0
-            for i in range(0, glen):
+            overflow = glen * 0
+            n_chunks = tl.cdiv(K, BLOCK_E)
+            for ci in range(0, glen * n_chunks):
+                i = ci // n_chunks
                 tok = (t0 + i).to(tl.int64)
                 count = K
                 if HAS_TOPK_LEN:
                     count = tl.minimum(tl.maximum(tl.load(TOPK_LEN + tok), 0), K)
-                for k0 in range(0, count, BLOCK_E):
-                    k = k0 + offs_e
-                    row = tl.load(IDX + tok * stride_it + k, mask=k < count, other=-1)
-                    act = (row >= 0) & (row < N)
-                    row = tl.where(act, row, -1)
-                    n_a = tl.sum(act.to(tl.int32), 0)
-                    n_valid += n_a
-                    h = ((row.to(tl.uint32) * 0x9E3779B1) >> (32 - LOG_S)).to(tl.int32)
-                    while n_a > 0:
+                k = (ci % n_chunks) * BLOCK_E + offs_e
+                row = tl.load(IDX + tok * stride_it + k, mask=k < count, other=-1)
+                act = (row >= 0) & (row < N)
+                row = tl.where(act, row, -1)
+                n_a = tl.sum(act.to(tl.int32), 0)
+                n_valid += n_a
+                h = ((row.to(tl.uint32) * 0x9E3779B1) >> (32 - LOG_S)).to(tl.int32)
+                for _probe in range(0, MAX_PROBES):  # (a while loop here breaks triton 3.6's compiler)
+                    if n_a > 0:
                         # a lane with nothing to insert CASes -1 -> -1: no change
-                        old = tl.atomic_cas(table + h, tl.full([BLOCK_E], -1, tl.int32), row)
+                        old = tl.atomic_cas(table + h, tl.full([BLOCK_E], -1, tl.int32), tl.where(act, row, -1))
                         placed = act & ((old == -1) | (old == row))
                         inserted = act & (old == -1)
                         tl.store(table_q + h * QB + i, tl.full([BLOCK_E], 1, tl.int8), mask=placed)
@@ -124,27 +129,33 @@ def _build_union_kernel(
                         tl.store(out_bits + pos, h, mask=inserted)
                         u += tl.sum(ins, 0)
                         act = act & (placed == 0)
-                        row = tl.where(act, row, -1)
                         h = tl.where(act, (h + 1) & (S - 1), h)
                         n_a = tl.sum(act.to(tl.int32), 0)
+                overflow += n_a
             tl.debug_barrier()
             for c0 in range(0, u, BLOCK_E):
                 c = c0 + offs_e
                 cm = c < u
                 slot = tl.load(out_bits + c, mask=cm, other=0)
-                qptr = table_q + slot[:, None] * QB + offs_b[None, :]
-                qbytes = tl.load(qptr, mask=cm[:, None], other=0)
-                word = tl.sum(qbytes.to(tl.int32) << offs_b[None, :], 1)
-                tl.store(qptr, tl.zeros([BLOCK_E, QB], tl.int8), mask=cm[:, None])
+                word = tl.zeros([BLOCK_E], tl.int32)
+                for b in tl.static_range(QB):
+                    qb = tl.load(table_q + slot * QB + b, mask=cm, other=0)
+                    word = word | (qb.to(tl.int32) << b)
+                    tl.store(table_q + slot * QB + b, tl.zeros([BLOCK_E], tl.int8), mask=cm)
                 tl.atomic_xchg(table + slot, tl.full([BLOCK_E], -1, tl.int32), mask=cm)
                 tl.store(out_bits + c, word, mask=cm)
             tl.debug_barrier()
+            # too many union rows (the overlap guard), or a probe chain longer than MAX_PROBES
+            # (not expected at load factor <= 1/2): the group's queries run per token instead
+            to_per_token = overflow > 0
             if GUARD:
-                # union rows per mean valid list: too many and grouping is slower than per token
-                if u.to(tl.float32) * glen.to(tl.float32) > guard_ratio * n_valid.to(tl.float32):
-                    tl.store(GROUP_LEN + g, 0)
-                    offs_i = tl.arange(0, G_P)
-                    tl.store(ROUTE + t0 + offs_i, tl.full([G_P], 1, tl.int8), mask=offs_i < glen)
+                to_per_token = to_per_token | (u.to(tl.float32) * glen.to(tl.float32) > guard_ratio * n_valid.to(tl.float32))
+            if to_per_token:
+                tl.store(GROUP_LEN + g, 0)
+                offs_i = tl.arange(0, G_P)
+                tl.store(ROUTE + t0 + offs_i, tl.full([G_P], 1, tl.int8), mask=offs_i < glen)
+            if overflow > 0:
+                u = glen * 0 - 1
         tl.store(ULEN + g, u)
 
 
@@ -187,7 +198,8 @@ def build_union(
     [P, S * QB] int8 (all 0): per-program hash tables, left clean.
     Writes rows / bits [num_groups, >= G * K] int32 (first union_len[g] entries) and union_len.
     With ``guard_ratio``, a group whose union holds more than ``guard_ratio`` times its mean valid
-    list length gets ``group_len = 0`` and its tokens ``route = 1`` (they run per token).
+    list length gets ``group_len = 0`` and its tokens ``route = 1`` (they run per token); so does a
+    group whose probing overflowed MAX_PROBES, with ``union_len = -1``.
     """
     num_groups = group_start.shape[0]
     if num_groups == 0:
@@ -199,5 +211,5 @@ def build_union(
         indices.stride(0), rows.stride(0), num_kv_rows, K, num_groups, float(guard_ratio or 0.0),
         G_P=triton.next_power_of_2(group_size), QB=membership_bytes(group_size),
         LOG_S=tables.shape[1].bit_length() - 1, BLOCK_E=min(1024, triton.next_power_of_2(K)),
-        HAS_TOPK_LEN=topk_length is not None, GUARD=guard_ratio is not None, num_warps=4,
+        HAS_TOPK_LEN=topk_length is not None, GUARD=guard_ratio is not None, MAX_PROBES=MAX_PROBES, num_warps=4,
     )
