@@ -123,7 +123,7 @@ def grouped_runs(quick: bool) -> None:
 
         def union_build():
             plan_groups(T, G, None, gs, gl, route)
-            build_union(idx, None, N, G, gs, gl, route, ws.union_tables, ws.union_table_q,
+            build_union(idx, None, N, G, gs, gl, route, ws.union_tables, ws.union_table_bits,
                         ws.union_rows, ws.union_bits, ul)
 
         sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -131,7 +131,7 @@ def grouped_runs(quick: bool) -> None:
         for p in (2, 4, 8):
             def union_p(p=p):
                 plan_groups(T, G, None, gs, gl, route)
-                build_union(idx, None, N, G, gs, gl, route, ws.union_tables[: p * sms], ws.union_table_q[: p * sms],
+                build_union(idx, None, N, G, gs, gl, route, ws.union_tables[: p * sms], ws.union_table_bits[: p * sms],
                             ws.union_rows, ws.union_bits, ul)
             per_sm[p] = bench(union_p)
         print(f"union build programs/SM -> ms: {per_sm}", flush=True)

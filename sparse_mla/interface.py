@@ -131,7 +131,7 @@ def _grouped_forward(p, G: int, ws: SparseMLAWorkspace, out: torch.Tensor, lse: 
     gs, gl, ul = ws.group_start[:n_groups], ws.group_len[:n_groups], ws.union_len[:n_groups]
     route = ws.route[:T]
     plan_groups(T, G, p.cu_seqlens_q, gs, gl, route)
-    build_union(p.indices, p.topk_length, p.num_kv_rows, G, gs, gl, route, ws.union_tables, ws.union_table_q,
+    build_union(p.indices, p.topk_length, p.num_kv_rows, G, gs, gl, route, ws.union_tables, ws.union_table_bits,
                 ws.union_rows, ws.union_bits, ul, guard_ratio=guard)
     sparse_mqa_grouped(p.q, p.kv, p.sm_scale, G, ws.union_rows, ws.union_bits, ul, gs, gl, out, lse)
     sparse_mqa_per_token(p.q, p.kv, p.indices, p.sm_scale, p.topk_length, out, lse, route=route)
@@ -200,9 +200,7 @@ def build_group_union(
     if T > 0:
         plan_groups(T, group_size, None, gs, gl, ws.route[:T])
         build_union(indices, topk_length, N, group_size, gs, gl, ws.route[:T], ws.union_tables,
-                    ws.union_table_q, rows, bits, ul)
-    if T > 0 and bool((ul < 0).any()):
-        raise RuntimeError("build_group_union: a group's hash probing overflowed (not expected); please report the input")
+                    ws.union_table_bits, rows, bits, ul)
     # The kernel's union is unsorted; this inspection API returns it sorted, -1 / 0 after the end.
     in_union = torch.arange(rows.shape[1], device=rows.device)[None, :] < ul[:, None].long()
     keys, order = torch.where(in_union, rows, torch.iinfo(torch.int32).max).sort(dim=1)

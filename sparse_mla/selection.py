@@ -17,6 +17,12 @@ GUARD_FRACTION_OF_G = 5.8 / 8
 # method="auto" groups only when a tile holds at least this many queries (G = 128 // H).
 MIN_GROUP_SIZE_FOR_AUTO = 2
 
+# Measured on the H200 (results/tune-v2.json, NOTES-GPU.md; H = 16, T = 16K, topk 2048): the
+# grouped attention alone beats per token (5.6 vs 8.3 ms at union ratio 1.13), but with the union
+# build (3.5 ms) the grouped step is slower at every overlap measured (9.5 vs 8.3 ms). Until the
+# union build is faster, "auto" runs per token; method="grouped" forces grouping.
+AUTO_GROUPS = False
+
 
 def overlap_guard_ratio(group_size: int) -> float:
     """Union rows / mean valid rows per query above which a group runs per token."""
@@ -34,6 +40,8 @@ def resolve_method(method: str, num_heads: int, num_tokens: int) -> tuple[str, s
     if method != "auto":
         return method, "forced by method="
     G = default_group_size(num_heads)
+    if not AUTO_GROUPS:
+        return "per_token", "grouped step measured slower than per token on the H200 (union build cost; NOTES-GPU.md)"
     if G < MIN_GROUP_SIZE_FOR_AUTO:
         return "per_token", f"H = {num_heads} fills a 128-row tile alone (G = {G})"
     if num_tokens < G:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .kernels.union import MAX_GROUP_SIZE, hash_table_slots, membership_bytes
+from .kernels.union import MAX_GROUP_SIZE, hash_table_slots
 
 
 def default_group_size(num_heads: int) -> int:
@@ -23,7 +23,7 @@ def default_group_size(num_heads: int) -> int:
 
 
 # Union builder programs per SM (each holds one hash table): NOTES-GPU.md, scripts/gpu_tune.py.
-UNION_PROGRAMS_PER_SM = 8
+UNION_PROGRAMS_PER_SM = 2
 
 
 def _union_programs(device: torch.device) -> int:
@@ -39,9 +39,10 @@ class SparseMLAWorkspace:
     """Every scratch buffer of the grouped path, for up to ``max_tokens`` query rows.
 
     Buffers (device ``device``): ``group_start``, ``group_len``, ``union_len`` [max_groups] int32;
-    ``route`` [max_tokens] int8; ``scratch`` [max_groups, G_P * K_P] int32 (int64 when
-    N * G_P >= 2**31) of sorted keys; ``union_rows``, ``union_bits`` [max_groups, G * K] int32.
-    About ``max_tokens * K * 16`` bytes at G = 8 (0.5 GiB for 16K tokens, topk 2048).
+    ``route`` [max_tokens] int8; ``union_rows``, ``union_bits`` [max_groups, G * K] int32; the
+    union builder's hash tables ``union_tables`` (-1) and ``union_table_bits`` (0), [P, 2 * G_P * K_P]
+    int32 for P persistent programs. About ``max_tokens * K * 8`` bytes plus P * 256 KiB at G = 8,
+    topk 2048 (0.27 GiB + 66 MiB for 16K tokens on an H200).
     """
 
     max_tokens: int
@@ -68,7 +69,7 @@ class SparseMLAWorkspace:
         n_tables = min(self.max_groups, _union_programs(dev))
         slots = hash_table_slots(G, K)
         self.union_tables = torch.full((n_tables, slots), -1, dtype=torch.int32, device=dev)
-        self.union_table_q = torch.zeros((n_tables, slots * membership_bytes(G)), dtype=torch.int8, device=dev)
+        self.union_table_bits = torch.zeros((n_tables, slots), dtype=torch.int32, device=dev)
 
     @classmethod
     def for_problem(cls, num_tokens: int, topk: int, num_heads: int, num_kv_rows: int,
@@ -91,4 +92,4 @@ class SparseMLAWorkspace:
         """Device bytes held."""
         return sum(t.numel() * t.element_size() for t in (
             self.group_start, self.group_len, self.union_len, self.route, self.union_rows, self.union_bits,
-            self.union_tables, self.union_table_q))
+            self.union_tables, self.union_table_bits))
