@@ -24,7 +24,7 @@ import triton.language as tl
 MAX_GROUP_SIZE = 16
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "T", "max_groups"])
 def _plan_groups_kernel(
     CU, GROUP_START, GROUP_LEN, ROUTE, B, T, max_groups,
     G: tl.constexpr, SHORT_TAIL: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr,
@@ -60,7 +60,14 @@ def _plan_groups_kernel(
     for t0 in range(seq_begin, seq_end, BLOCK):
         t = t0 + tl.arange(0, BLOCK)
         tl.store(ROUTE + t, (t >= grouped_end).to(tl.int8), mask=t < seq_end)
-    if b == B - 1:  # the last program clears the unused group slots
+    if b == 0:  # rows before the first request run per token
+        for t0 in range(0, tl.minimum(seq_begin, T), BLOCK):
+            t = t0 + tl.arange(0, BLOCK)
+            tl.store(ROUTE + t, tl.full([BLOCK], 1, tl.int8), mask=t < seq_begin)
+    if b == B - 1:  # the last program: rows past the last request run per token; clear unused slots
+        for t0 in range(seq_end, T, BLOCK):
+            t = t0 + tl.arange(0, BLOCK)
+            tl.store(ROUTE + t, tl.full([BLOCK], 1, tl.int8), mask=t < T)
         for j0 in range(total_groups, max_groups, BLOCK):
             j = j0 + tl.arange(0, BLOCK)
             ok = j < max_groups
@@ -69,7 +76,7 @@ def _plan_groups_kernel(
 
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_groups"])
 def _build_union_kernel(
     IDX, TOPK_LEN, GROUP_START, GROUP_LEN, ROUTE, TABLE, TABLE_BITS, ROWS, BITS, ULEN,
     stride_it, stride_rg, N, K, num_groups, guard_ratio,

@@ -1,0 +1,246 @@
+"""Shared test helpers: random sparse MLA problems, adversarial index sentinels, error metrics.
+
+CPU runs (TRITON_INTERPRET=1) use fp16: the interpreter's bf16 tl.dot is wrong (seen here:
+off by ~4e10 on a 16x32 @ 32x16 product). bf16 is covered on the GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
+DTYPE = torch.bfloat16 if HAS_CUDA else torch.float16
+INT_MIN = -(2**31)
+INT_MAX = 2**31 - 1
+
+# Relative Frobenius error allowed against the fp32 reference, per dtype (bf16 level).
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
+
+
+@dataclass
+class Problem:
+    q: torch.Tensor  # [T, H, D_qk]
+    kv: torch.Tensor  # [N, D_qk]
+    indices: torch.Tensor  # [T, K] int32
+    topk_length: torch.Tensor | None
+    sm_scale: float
+
+
+def distinct_rows(T: int, K: int, N: int, *, causal_from: int | None = None, generator=None) -> torch.Tensor:
+    """[T, K] int32 distinct rows per token; with causal_from=c, token t draws from [0, c + t] and
+    pads with -1 where fewer than K rows exist."""
+    out = torch.full((T, K), -1, dtype=torch.int32)
+    for t in range(T):
+        limit = N if causal_from is None else min(N, causal_from + t + 1)
+        take = min(K, limit)
+        out[t, :take] = torch.randperm(limit, generator=generator)[:take].to(torch.int32)
+    return out
+
+
+def neighbour_rows(T: int, K: int, N: int, keep: float, generator=None) -> torch.Tensor:
+    """[T, K] distinct rows where each token keeps a fraction ``keep`` of its predecessor's list
+    (so groups have unions between 1 and G lists)."""
+    out = torch.empty((T, K), dtype=torch.int32)
+    prev = torch.randperm(N, generator=generator)[:K]
+    for t in range(T):
+        n_keep = int(keep * K)
+        kept = prev[torch.randperm(K, generator=generator)[:n_keep]]
+        mask = torch.ones(N, dtype=torch.bool)
+        mask[kept] = False
+        fresh_pool = mask.nonzero()[:, 0]
+        fresh = fresh_pool[torch.randperm(fresh_pool.numel(), generator=generator)[: K - n_keep]]
+        row = torch.cat([kept, fresh])[torch.randperm(K, generator=generator)]
+        out[t] = row.to(torch.int32)
+        prev = row
+    return out
+
+
+def make_problem(T: int, H: int, K: int, N: int, *, d_qk: int = 576, dtype=None, seed: int = 0,
+                 indices: torch.Tensor | None = None, topk_length: torch.Tensor | None = None) -> Problem:
+    g = torch.Generator().manual_seed(seed)
+    dtype = dtype or DTYPE
+    q = torch.randn(T, H, d_qk, generator=g).to(dtype)
+    kv = torch.randn(N, d_qk, generator=g).to(dtype)
+    if indices is None:
+        indices = distinct_rows(T, K, N, generator=g)
+    sm_scale = d_qk**-0.5
+    tl_ = None if topk_length is None else topk_length.to(DEVICE)
+    return Problem(q.to(DEVICE), kv.to(DEVICE), indices.to(DEVICE), tl_, sm_scale)
+
+
+def poisoned_out(T: int, H: int, dtype=None, d_v: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """NaN-filled out [T, H, d_v] and lse [T, H]: an element the kernel fails to write fails the test."""
+    out = torch.full((T, H, d_v), float("nan"), dtype=dtype or DTYPE, device=DEVICE)
+    lse = torch.full((T, H), float("nan"), dtype=torch.float32, device=DEVICE)
+    return out, lse
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative Frobenius error ||x - ref|| / ||ref|| in fp32 (0 when both are 0)."""
+    x, ref = x.float(), ref.float()
+    denom = ref.norm().item()
+    num = (x - ref).norm().item()
+    return num / denom if denom > 0 else num
+
+
+def assert_matches_reference(out, lse, ref_out, ref_lse, dtype) -> None:
+    """out within the dtype's tolerance, no NaN anywhere, lse -inf exactly where the reference is,
+    finite lse within 1e-3 absolute (out of all-invalid queries must be exactly 0)."""
+    assert not torch.isnan(out).any(), "NaN in out (an unwritten or NaN-producing element)"
+    err = rel_err(out, ref_out)
+    assert err < TOLERANCE[dtype], f"out relative error {err:.2e} >= {TOLERANCE[dtype]:.0e}"
+    empty = torch.isinf(ref_lse)
+    assert torch.all(out[empty] == 0), "a query with no valid row must give out = 0"
+    if lse is not None:
+        assert not torch.isnan(lse).any(), "NaN in lse"
+        assert torch.equal(torch.isinf(lse), empty), "lse must be -inf exactly where the query has no valid row"
+        assert torch.all(lse[empty] < 0)
+        fin = ~empty
+        if fin.any():
+            diff = (lse[fin] - ref_lse[fin]).abs().max().item()
+            assert diff < 1e-2 if dtype == torch.bfloat16 else diff < 2e-3, f"lse max abs error {diff:.2e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Adversarial index patterns and checked calls (added for the core-kernel tests).
+
+# Per-token patterns cycled by ``adversarial_indices``; each is a way a row can be padding.
+PATTERNS = ("clean", "pad_end", "pad_middle", "sentinels", "all_invalid")
+
+
+def adversarial_indices(T: int, K: int, N: int, *, patterns=PATTERNS, generator=None,
+                        base: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, K] int32 (CPU): distinct valid rows in [0, N), then token t gets ``patterns[t % len]``:
+
+    * ``clean``: untouched.
+    * ``pad_end``: the last third is -1 (FlashMLA's padding).
+    * ``pad_middle``: every third entry is -1, valid entries on both sides.
+    * ``sentinels``: INT_MIN, -2, N, N + 1 and INT_MAX at spread positions (all padding: < 0 or >= N;
+      values >= N that do not fit int32 are replaced by negative ones).
+    * ``all_invalid``: no valid entry (out must be 0, lse -inf).
+
+    ``base`` (a [T, K] list of distinct rows) replaces the random draw, e.g. ``neighbour_rows``.
+    """
+    idx = distinct_rows(T, K, N, generator=generator) if base is None else base.clone().to(torch.int32).cpu()
+    for t in range(T):
+        kind = patterns[t % len(patterns)]
+        if kind == "clean":
+            continue
+        if kind == "pad_end":
+            idx[t, K - max(1, K // 3):] = -1
+        elif kind == "pad_middle":
+            idx[t, 1::3] = -1
+        elif kind == "sentinels":
+            pos = torch.linspace(0, K - 1, 5).round().long()
+            high = [v for v in (N, N + 1, INT_MAX) if v <= INT_MAX]  # >= N, where int32 has such values
+            vals = [INT_MIN, -2] + high + [-3, -4, -5][: 3 - len(high)]
+            idx[t, pos] = torch.tensor(vals, dtype=torch.int32)
+        elif kind == "all_invalid":
+            high = N if N <= INT_MAX else -7
+            idx[t] = torch.tensor([-1, INT_MIN, high, INT_MAX if N <= INT_MAX else -8], dtype=torch.int32).repeat(K // 4 + 1)[:K]
+        else:
+            raise ValueError(f"unknown pattern {kind!r}")
+    return idx
+
+
+def garbage_topk_length(indices: torch.Tensor, N: int, *, generator=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices', topk_length) [T, K], [T] int32 (CPU): lengths cycle through 0, 1, K // 2, K - 1, K and
+    everything past a length is garbage that would change the result if read: rows >= N, INT_MAX,
+    repeats of the token's own earlier rows, and valid rows outside its list."""
+    T, K = indices.shape
+    idx = indices.clone()
+    choices = [0, 1, K // 2, K - 1, K]
+    lengths = torch.tensor([choices[t % len(choices)] for t in range(T)], dtype=torch.int32)
+    for t in range(T):
+        n = int(lengths[t])
+        for j in range(n, K):
+            r = (j - n) % 4
+            if r == 0:
+                idx[t, j] = N + j
+            elif r == 1:
+                idx[t, j] = INT_MAX
+            elif r == 2 and n > 0 and int(idx[t, 0]) >= 0:
+                idx[t, j] = idx[t, 0]  # a repeat: counted twice if read
+            else:
+                idx[t, j] = int(torch.randint(0, N, (1,), generator=generator))
+    return idx, lengths
+
+
+def cu_seqlens(lengths: list[int]) -> torch.Tensor:
+    """[B + 1] int32 on DEVICE: request boundaries of requests with the given lengths."""
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return torch.tensor(cu, dtype=torch.int32, device=DEVICE)
+
+
+def assert_same_result(out, lse, out2, lse2, dtype) -> None:
+    """Two kernels on one input (e.g. grouped vs per-token): out within the dtype tolerance of each
+    other, lse -inf at the same places and within the lse tolerance elsewhere."""
+    assert not torch.isnan(out).any() and not torch.isnan(out2).any()
+    err = rel_err(out, out2)
+    assert err < TOLERANCE[dtype], f"out relative difference {err:.2e} >= {TOLERANCE[dtype]:.0e}"
+    if lse is not None and lse2 is not None:
+        assert torch.equal(torch.isinf(lse), torch.isinf(lse2)), "lse -inf positions differ"
+        fin = ~torch.isinf(lse)
+        if fin.any():
+            diff = (lse[fin] - lse2[fin]).abs().max().item()
+            assert diff < (1e-2 if dtype == torch.bfloat16 else 2e-3), f"lse max abs difference {diff:.2e}"
+
+
+def poisoned_views(T: int, H: int, *, pad_tokens: int = 0, pad_heads: int = 0, dtype=None, d_v: int = 512):
+    """NaN-filled buffers out_big [T + pad_tokens, H + pad_heads, d_v] and lse_big [T + pad_tokens, H],
+    and the views a call writes: out = out_big[:T, pad_heads:] (head stride kept, so non-contiguous when
+    pad_heads > 0) and lse = lse_big[:T] (contiguous). Everything outside the views must stay NaN."""
+    out_big = torch.full((T + pad_tokens, H + pad_heads, d_v), float("nan"), dtype=dtype or DTYPE, device=DEVICE)
+    lse_big = torch.full((T + pad_tokens, H), float("nan"), dtype=torch.float32, device=DEVICE)
+    return out_big, lse_big, out_big[:T, pad_heads:], lse_big[:T]
+
+
+def assert_outside_untouched(out_big: torch.Tensor, lse_big: torch.Tensor, T: int, pad_heads: int) -> None:
+    """The rows / heads of ``poisoned_views`` buffers outside the written views are still all NaN."""
+    assert torch.isnan(out_big[T:]).all(), "out rows past T were written (a padded tile stored past its rows)"
+    assert torch.isnan(out_big[:, :pad_heads]).all(), "out heads outside the view were written"
+    assert torch.isnan(lse_big[T:]).all(), "lse rows past T were written"
+
+
+def run_checked(p: Problem, *, return_lse: bool = True, pad_tokens: int = 0, pad_heads: int = 0, **kwargs):
+    """``sparse_mla_fwd`` on ``p`` into NaN-poisoned out= / lse= views (``poisoned_views``), compared to
+    ``sparse_mla_ref``; the poisoned padding around the views must stay NaN.
+
+    kwargs go to ``sparse_mla_fwd`` (method, cu_seqlens_q, workspace, overlap_guard, ...). Returns
+    (out, lse) as written by the kernel (lse None with return_lse=False).
+    """
+    from sparse_mla import sparse_mla_fwd, sparse_mla_ref
+
+    T, H, _ = p.q.shape
+    out_big, lse_big, out, lse = poisoned_views(T, H, pad_tokens=pad_tokens, pad_heads=pad_heads, dtype=p.q.dtype)
+    res = sparse_mla_fwd(p.q, p.kv, p.indices, p.sm_scale, topk_length=p.topk_length, return_lse=return_lse,
+                         out=out, lse=lse if return_lse else None, **kwargs)
+    if return_lse:
+        assert isinstance(res, tuple) and res[0] is out and res[1] is lse, "must return the given out= / lse="
+    else:
+        assert res is out, "return_lse=False must return the out= tensor alone"
+    ref_out, ref_lse = sparse_mla_ref(p.q, p.kv, p.indices, p.sm_scale, topk_length=p.topk_length)
+    assert_matches_reference(out, lse if return_lse else None, ref_out, ref_lse, p.q.dtype)
+    assert_outside_untouched(out_big, lse_big, T, pad_heads)
+    return out, (lse if return_lse else None)
+
+
+def union_hash_slot(rows: torch.Tensor, log_slots: int) -> torch.Tensor:
+    """The home slot of each row in the union builder's hash table (mirrors ``_build_union_hash_kernel``:
+    Fibonacci hashing, ``(row * 0x9E3779B1 mod 2**32) >> (32 - log_slots)``)."""
+    return ((rows.long() * 0x9E3779B1) % 2**32) >> (32 - log_slots)
+
+
+def colliding_rows(n: int, log_slots: int, slot: int, limit: int) -> torch.Tensor:
+    """[n] int32: the n smallest rows in [0, limit) whose home slot is ``slot`` (all collide, so the
+    builder probes a chain of n slots; with slot = 2**log_slots - 1 the chain wraps to slot 0)."""
+    cand = torch.arange(limit, dtype=torch.int64)
+    hits = cand[union_hash_slot(cand, log_slots) == slot]
+    if hits.numel() < n:
+        raise ValueError(f"only {hits.numel()} rows below {limit} hash to slot {slot}; raise limit")
+    return hits[:n].to(torch.int32)
