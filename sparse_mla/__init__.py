@@ -6,6 +6,8 @@ Public entry points (semantics: ``sparse_mla.reference``; DESIGN.md):
 * ``build_group_union``: the per-group union of top-k lists with membership bits.
 * ``sparse_mla_ref``: the fp32 reference.
 * ``SparseMLAWorkspace``: preallocated scratch for the grouped path.
+* ``dsa_prefill`` / ``SparseMLAPrefill``: the layer-level prefill (dense MHA, masked MHA, grouped
+  or per-token sparse MQA, chosen by a measured dispatcher), with its fp32 reference ``dsa_prefill_ref``.
 
 Attributes load lazily, so that a caller (the CLI, a test's conftest) can set TRITON_INTERPRET=1
 after ``import sparse_mla`` but before the first kernel module is imported.
@@ -24,6 +26,9 @@ _EXPORTS = {
     "sparse_mla_ref": "sparse_mla.reference",
     "SparseMLAWorkspace": "sparse_mla.workspace",
     "default_group_size": "sparse_mla.workspace",
+    "dsa_prefill": "sparse_mla.layer",
+    "SparseMLAPrefill": "sparse_mla.layer",
+    "dsa_prefill_ref": "sparse_mla.layer",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

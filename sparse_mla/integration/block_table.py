@@ -152,6 +152,7 @@ def convert_req_index_to_global(
     num_kv_rows: int | None = None,
     out: torch.Tensor | None = None,
     return_valid_counts: bool = False,
+    valid_counts: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Map request-local top-k positions to global latent-cache rows through a block table (Triton).
 
@@ -161,7 +162,7 @@ def convert_req_index_to_global(
     max_blocks``, the table entry is negative (an unallocated block), or the row is not below
     ``num_kv_rows``. The same mapping as vLLM's ``triton_convert_req_index_to_global_index``, plus
     the block stride. Semantics: ``convert_req_index_to_global_ref``. Allocation-free (CUDA-graph
-    safe) when ``out`` is given and ``return_valid_counts`` is False.
+    safe) when ``out`` is given, and ``valid_counts`` too if the counts are wanted.
 
     Args:
         req_id: [T] int32, the request (block-table row) of each token row; same device as
@@ -180,16 +181,19 @@ def convert_req_index_to_global(
             of each output row (vLLM's meaning). It equals ``sparse_mla_fwd``'s ``topk_length`` only
             when each row's valid entries come first (the usual indexer layout); passing it as
             topk_length otherwise drops valid entries, so pass ``topk_length=None`` then.
+        valid_counts: optional preallocated [T] int32 for the counts (written whenever given;
+            allocated when None and return_valid_counts).
 
     Returns:
         out [T, K] int32 global rows (-1 = padding), or (out, valid_counts) with return_valid_counts.
 
     Raises:
-        TypeError: a non-tensor or non-int32 req_id / block_table / topk_local / out.
+        TypeError: a non-tensor or non-int32 req_id / block_table / topk_local / out / valid_counts.
         ValueError: req_id not [T], block_table not 2-D, topk_local not [T, K], a token-row count of
             topk_local that differs from req_id's, tensors on different devices, block_size /
             kv_block_stride_rows / num_kv_rows not positive ints, kv_block_stride_rows < block_size,
-            a wrong out shape/device, or a device the kernel cannot run on. All before any launch.
+            a wrong out / valid_counts shape or device, or a device the kernel cannot run on. All
+            before any launch.
     """
     stride_rows, bound = validate_convert_args(req_id, block_table, topk_local, block_size, kv_block_stride_rows, num_kv_rows)
     T, K = topk_local.shape
@@ -201,7 +205,15 @@ def convert_req_index_to_global(
             raise ValueError(
                 f"out must be [T, K] = [{T}, {K}] int32 on {topk_local.device}, got {tuple(out.shape)} on {out.device}"
             )
-    counts = torch.empty(T, dtype=torch.int32, device=topk_local.device) if return_valid_counts else None
+    counts = valid_counts
+    if counts is not None:
+        _check_int32("valid_counts", counts, "[T]")
+        if counts.shape != (T,) or counts.device != topk_local.device:
+            raise ValueError(
+                f"valid_counts must be [T] = [{T}] int32 on {topk_local.device}, got {tuple(counts.shape)} on {counts.device}"
+            )
+    elif return_valid_counts:
+        counts = torch.empty(T, dtype=torch.int32, device=topk_local.device)
     _require_kernel_device(topk_local)
     from ..kernels.index_convert import convert_req_index
 

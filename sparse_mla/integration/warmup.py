@@ -4,21 +4,20 @@ Triton compiles a kernel once per *specialization*: each constexpr, whether an o
 None, the 16-byte alignment of each pointer, and for every integer argument not marked
 ``do_not_specialize`` its class: equal to 1, divisible by 16, or neither (triton 3.x). An engine
 that captures CUDA graphs must not compile during capture or serving, so ``warmup`` runs each
-variant once on tiny inputs:
+variant once on small inputs, through the public entry points (so it follows kernel changes):
 
-* the attention kernel (``kernels.sparse_mqa``): per-token, per-token with a route (the grouped
-  path's remainder), grouped; each with and without lse and topk_length;
-* the union builder (``kernels.union``): the workspace's key width (int32, or int64 for huge
-  caches), with/without topk_length, with the configured overlap guard;
-* the group planner (``kernels.union._plan_groups_kernel``) in both layouts (within requests with
-  ``cu_seqlens_q``; token-major without) for every class of token count, request count
-  (and its power-of-two block) and group count a step up to ``max_tokens`` / ``max_requests`` can
-  produce (read off the kernel's ``do_not_specialize`` list, so fewer when that grows);
+* ``sparse_mla_fwd`` per token, and grouped in both layouts (within requests with
+  ``cu_seqlens_q``, token-major without), each with and without lse and topk_length: the
+  attention kernel (per-token, per-token with a route, grouped), the union builder, the planner;
+* the grouped calls at one representative of every class of the integers that change from step
+  to step: the token count T, the group count (the workspace's, or ceil(T / G)), the request
+  count B and its power-of-two block (``step_shape_reps``), up to ``max_tokens`` / ``max_requests``;
 * the block-table converter (``kernels.index_convert``), with and without valid counts.
 
-Assumptions: q, out, indices are contiguous (as the engine passes them), kv has the engine's row
-stride, and tensors passed by the engine are 16-byte aligned (whole allocations or slices that start
-at a multiple of 16 bytes). Not covered: ``build_group_union`` (an analysis API, not on the step path).
+Assumptions: q, out, lse, indices are contiguous (as the engine passes them), kv has the engine's
+row stride and row-count class, and tensors passed by the engine are 16-byte aligned (whole
+allocations or slices that start at a multiple of 16 bytes). ``build_group_union`` (an inspection
+API, not on the step path) is not warmed.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ import triton
 
 from ..interface import sparse_mla_fwd
 from ..kernels import index_convert, sparse_mqa, union
-from ..kernels.union import MAX_GROUP_SIZE, plan_groups, union_key_is_64bit
+from ..kernels.union import MAX_GROUP_SIZE
 from ..validation import KERNEL_DTYPES, SUPPORTED_D_QK, flatten_kv
 from ..workspace import SparseMLAWorkspace, default_group_size
 from .block_table import convert_req_index_to_global
@@ -75,30 +74,28 @@ def _int_class(value: int) -> str:
     return "1" if value == 1 else ("16" if value % 16 == 0 else "other")
 
 
-def plan_variant_reps(group_size: int, max_tokens: int, max_requests: int,
-                      workspace_max_groups: int | None) -> list[tuple[int, int | None]]:
-    """Representative (T, B) of every group-planner specialization a step can hit.
+def step_shape_reps(group_size: int, max_tokens: int, max_requests: int,
+                    workspace_max_groups: int | None) -> list[tuple[int, int | None]]:
+    """One (T, B) per specialization class of the integers a grouped step passes to its kernels.
 
-    B None = token-major layout (no cu_seqlens_q). ``workspace_max_groups``: the engine's
-    workspace size in groups, or None when the engine lets each call allocate its own (then the
-    planner's group count is ceil(T / G)). Classes repeat with period 16 * G in T, so T up to
-    32 * G + 16 and every B up to ``max_requests`` cover them all.
+    B None = token-major layout (no cu_seqlens_q). The classes (``_int_class``) are those of T,
+    of the group count (``workspace_max_groups`` within requests when the engine passes a
+    workspace, else ceil(T / G)), of B, and B's power of two (the planner's block). Conservative:
+    every class is covered whether or not a kernel specializes on it. Classes repeat with period
+    16 * G in T, so T up to 32 * G + 16 and every B up to ``max_requests`` cover all steps.
     """
     G = group_size
-    fixed = _unspecialized(union._plan_groups_kernel)
-    cls = lambda name, v: None if name in fixed else _int_class(v)  # noqa: E731
     t_max = min(max_tokens, 32 * G + 16)
     reps: dict[tuple, tuple[int, int | None]] = {}
     for T in range(1, t_max + 1):
-        key = ("token_major", cls("T", T), cls("max_groups", triton.cdiv(T, G)))
-        reps.setdefault(key, (T, None))
+        reps.setdefault(("token_major", _int_class(T), _int_class(triton.cdiv(T, G))), (T, None))
     t_keys: dict[tuple, int] = {}
     for T in range(1, t_max + 1):
-        mg = workspace_max_groups if workspace_max_groups is not None else triton.cdiv(T, G)
-        t_keys.setdefault((cls("T", T), cls("max_groups", mg)), T)
+        n_groups = workspace_max_groups if workspace_max_groups is not None else triton.cdiv(T, G)
+        t_keys.setdefault((_int_class(T), _int_class(n_groups)), T)
     b_keys: dict[tuple, int] = {}
     for B in range(1, max_requests + 1):
-        b_keys.setdefault((cls("B", B), triton.next_power_of_2(B)), B)
+        b_keys.setdefault((_int_class(B), triton.next_power_of_2(B)), B)
     for tk, T in t_keys.items():
         for bk, B in b_keys.items():
             reps.setdefault(("requests", *tk, *bk), (T, B))
@@ -107,8 +104,8 @@ def plan_variant_reps(group_size: int, max_tokens: int, max_requests: int,
 
 @dataclass
 class WarmupReport:
-    """What ``warmup`` ran: wall seconds, kernel launches (calls), new compiled variants per kernel
-    (all 0 under the interpreter, or when everything was already compiled)."""
+    """What ``warmup`` ran: wall seconds, entry-point calls (``sparse_mla_fwd`` and converter), new
+    compiled variants per kernel (all 0 under the interpreter, or when everything was already compiled)."""
 
     seconds: float
     calls: int
@@ -186,6 +183,8 @@ def warmup(
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be a positive int, got {v!r}")
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" means the current device: compare as cuda:N
+        device = torch.device("cuda", torch.cuda.current_device())
     if kv is not None:
         kv = flatten_kv(kv)
         if kv.shape[1] != d_qk or kv.dtype != dtype or kv.device != device:
@@ -205,43 +204,30 @@ def warmup(
     before = compiled_variant_counts()
     calls = 0
     gen = torch.Generator(device="cpu").manual_seed(0)
-
-    # Attention, union builder, planner (one class) for each lse / topk_length mode.
-    cap = workspace.max_tokens if workspace is not None else max_tokens
-    T = min(G + 1 if G > 1 else 2, cap)  # one group and a remainder row
-    n_small = kv.shape[0]
-    q = torch.randn(T, num_heads, d_qk, generator=gen).to(dtype).to(device)
-    cols = torch.arange(topk, dtype=torch.int32)
-    idx_row = torch.where(cols < n_small, cols, -1)
-    indices = idx_row[None, :].expand(T, topk).contiguous().to(device)
-    tl_all = torch.full((T,), topk, dtype=torch.int32, device=device)
-    cu = torch.tensor([0, T], dtype=torch.int32, device=device)
-    ws_small = workspace or SparseMLAWorkspace(
-        T, topk, G, (2**31 - 1) if union_key_is_64bit(num_kv_rows, G) else num_kv_rows, device)
     scale = d_qk**-0.5
-    for with_lse in return_lse:
-        for with_tl in topk_length:
-            kw = dict(topk_length=tl_all if with_tl else None, return_lse=with_lse)
-            sparse_mla_fwd(q, kv, indices, scale, method="per_token", **kw)
-            sparse_mla_fwd(q, kv, indices, scale, method="grouped", cu_seqlens_q=cu, workspace=ws_small,
-                           group_size=G, overlap_guard=overlap_guard, **kw)
-            calls += 5
-
-    # Group planner: every (T, B) specialization class of both layouts.
-    for T_rep, B in plan_variant_reps(G, workspace.max_tokens if workspace is not None else max_tokens, max_requests,
-                                      workspace.max_groups if workspace is not None else None):
-        if B is None or workspace is None:
-            n_groups = triton.cdiv(T_rep, G)
-            gs = torch.empty(n_groups, dtype=torch.int32, device=device)
-            gl = torch.empty(n_groups, dtype=torch.int32, device=device)
-            route = torch.empty(T_rep, dtype=torch.int8, device=device)
-        else:
-            gs, gl, route = workspace.group_start, workspace.group_len, workspace.route[:T_rep]
-        cu_b = None
-        if B is not None:
-            cu_b = torch.div(torch.arange(B + 1) * T_rep, B, rounding_mode="floor").to(torch.int32).to(device)
-        plan_groups(T_rep, G, cu_b, gs, gl, route)
+    cap = workspace.max_tokens if workspace is not None else max_tokens
+    reps = step_shape_reps(G, cap, max_requests, workspace.max_groups if workspace is not None else None)
+    t_big = max(T for T, _ in reps)
+    n_small = kv.shape[0]
+    q_all = torch.randn(t_big, num_heads, d_qk, generator=gen).to(dtype).to(device)
+    cols = torch.arange(topk, dtype=torch.int32)
+    idx_all = torch.where(cols < n_small, cols, -1)[None, :].expand(t_big, topk).contiguous().to(device)
+    tl_all = torch.full((t_big,), topk, dtype=torch.int32, device=device)
+    modes = [(with_lse, with_tl) for with_lse in return_lse for with_tl in topk_length]
+    for with_lse, with_tl in modes:
+        T = min(2, cap)
+        sparse_mla_fwd(q_all[:T], kv, idx_all[:T], scale, method="per_token", return_lse=with_lse,
+                       topk_length=tl_all[:T] if with_tl else None)
         calls += 1
+    for T, B in reps:
+        cu = None
+        if B is not None:
+            cu = torch.div(torch.arange(B + 1) * T, B, rounding_mode="floor").to(torch.int32).to(device)
+        for with_lse, with_tl in modes:
+            sparse_mla_fwd(q_all[:T], kv, idx_all[:T], scale, method="grouped", cu_seqlens_q=cu, workspace=workspace,
+                           group_size=G, overlap_guard=overlap_guard, return_lse=with_lse,
+                           topk_length=tl_all[:T] if with_tl else None)
+            calls += 1
 
     if converter:
         req_id = torch.tensor([0, -1], dtype=torch.int32, device=device)
@@ -257,4 +243,4 @@ def warmup(
     return WarmupReport(time.perf_counter() - t_start, calls, {k: after[k] - before[k] for k in after})
 
 
-__all__ = ["warmup", "WarmupReport", "compiled_variant_counts", "warmed_kernels", "plan_variant_reps"]
+__all__ = ["warmup", "WarmupReport", "compiled_variant_counts", "warmed_kernels", "step_shape_reps"]

@@ -97,8 +97,8 @@ def _masked_mha_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_V_P], tl.float32)
-    n_tiles = 0
-    hi = pos0 + q_len  # keys 0 .. hi - 1 (the last query's window)
+    n_tiles = (q_len * 0).to(tl.int32)  # a tensor from the start: loop-carried in the counting variant
+    hi = (pos0 + q_len).to(tl.int32)  # keys 0 .. hi - 1 (the last query's window)
     for start_n in range(0, hi, BLOCK_N):
         w_idx = start_n // 32 + tl.arange(0, NW)
         words = tl.load(w_row[:, None] + w_idx[None, :], mask=m_ok[:, None] & (w_idx < n_words)[None, :], other=0)
@@ -290,8 +290,11 @@ def _pow2_split(d: int) -> tuple[int, int]:
     return max(a, 16), (max(16, triton.next_power_of_2(rest)) if rest else 0)
 
 
-def default_config(d_qk: int, d_v: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for these head dims (estimate; sweep_paths.py measures)."""
+def default_config(d_qk: int, d_v: int, device_type: str = "cuda") -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for these head dims (estimate; sweep_paths.py measures).
+    On the CPU (Triton interpreter) small tiles: its dots are numpy fp16 products, slow at 64 rows."""
+    if device_type != "cuda":
+        return 16, 32, 4, 1
     wide = max(triton.next_power_of_2(d_qk), triton.next_power_of_2(d_v)) >= 256
     return 64, 64, (8 if wide else 4), 2
 
@@ -321,13 +324,16 @@ def masked_mha_fwd(
 
     Returns:
         out.
+
+    Raises:
+        ValueError: block_n not a power-of-two multiple of 32, tile_counts of the wrong shape or dtype.
     """
     T, H, d_nope = q_nope.shape
     if T == 0 or plan.num_blocks == 0:
         return out
     d_pe = 0 if q_pe is None else q_pe.shape[2]
     d_v = v.shape[2]
-    _, bn, warps, stages = default_config(d_nope + d_pe, d_v)
+    _, bn, warps, stages = default_config(d_nope + d_pe, d_v, q_nope.device.type)
     bn = block_n or bn
     if bn % 32 or bn & (bn - 1):
         raise ValueError(f"block_n must be a power of two multiple of 32, got {bn}")

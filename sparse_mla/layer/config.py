@@ -214,9 +214,11 @@ def token_windows(new_lens: Sequence[int], cached_lens: Sequence[int], row_offse
 
 
 def restrict_to_windows(indices: torch.Tensor, lo: torch.Tensor, win: torch.Tensor) -> torch.Tensor:
-    """indices [T, K] int32 with every entry outside its token's window replaced by -1 (padding)."""
-    rel = indices.long() - lo[:, None]
-    return torch.where((rel >= 0) & (rel < win[:, None]), indices, torch.full_like(indices, -1))
+    """indices [T, K] int32 with every entry outside its token's window replaced by -1 (padding).
+    Compares in int32 (lo + win <= N < 2**31), so no [T, K] int64 temporary."""
+    lo32 = lo.to(torch.int32)[:, None]
+    hi32 = (lo + win).to(torch.int32)[:, None]
+    return torch.where((indices >= lo32) & (indices < hi32), indices, -1)
 
 
 def _tensor(name: str, x: object) -> torch.Tensor:

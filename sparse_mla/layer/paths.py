@@ -106,6 +106,7 @@ class DenseMHA:
         return True, why
 
     def run(self, p: DSAPrefillProblem, out: torch.Tensor) -> torch.Tensor:
+        """Write o [T, H, v_head_dim] into ``out``; one SDPA call per request with new tokens."""
         from torch.nn.attention.bias import causal_lower_right
 
         dn = p.step.qk_nope_head_dim
@@ -152,12 +153,14 @@ class MaskedMHA:
         return True, "decompressed K/V with top-k key masks"
 
     def run(self, p: DSAPrefillProblem, out: torch.Tensor, tile_counts: torch.Tensor | None = None) -> torch.Tensor:
+        """Write o [T, H, v_head_dim] into ``out``; ``tile_counts`` ([n_blocks, H] int32, debug) receives
+        the key tiles each program computed (``kernels.masked_mha.masked_mha_fwd``)."""
         from ..kernels.masked_mha import build_key_bitmask, default_config, masked_mha_fwd, plan_masked_mha
 
         dn, dv = p.step.qk_nope_head_dim, p.step.v_head_dim
         rows, starts = window_rows(p)
         kvd = decompress(p, rows)
-        bm, bn, _, _ = default_config(p.step.mha_qk_head_dim, dv)
+        bm, bn, _, _ = default_config(p.step.mha_qk_head_dim, dv, p.q_nope.device.type)
         plan = plan_masked_mha(p.step.cached_lens, p.step.new_lens, p.row_offsets, starts, self.block_m or bm,
                                p.q_nope.device)
         words = build_key_bitmask(p.indices, p.topk_length, plan)
@@ -184,6 +187,8 @@ class SparseMQA:
         return True, "sparse MQA over latent rows" + extra
 
     def run(self, p: DSAPrefillProblem, out: torch.Tensor) -> torch.Tensor:
+        """Write o [T, H, v_head_dim] into ``out``: q_nope @ W_UK -> sparse_mla_fwd -> @ W_UV^T, with
+        out-of-window entries turned into padding first (the layer semantics)."""
         from ..interface import sparse_mla_fwd
 
         T, H, _ = p.q_nope.shape

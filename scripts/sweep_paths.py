@@ -1,0 +1,310 @@
+#!/usr/bin/env python
+"""GPU crossover sweep of the layer-level DSA prefill paths: build + check + time in one run.
+
+For each layout (DeepSeek-V3.2, GLM-5, GLM-5.3-Flash NoPE), heads per rank (16/32/64/128 where the
+model has them) and prompt point (1K..64K new tokens, pure and after a cached prefix), it times
+every path that supports the step (``dsa_prefill(..., path=<forced>)``, the whole layer call:
+decompression / absorption, masks or unions, attention, W_UV) with ``triton.testing.do_bench``
+(L2 flushed between runs; median and 20/80 % quantiles), checks each path's output on the first and
+last ``--check-tokens`` tokens against the fp32 layer reference ``dsa_prefill_ref``, prints the best
+path per point next to the dispatcher's automatic pick, and the thresholds the timings imply for
+``sparse_mla.layer.dispatch.THRESHOLDS``.
+
+Run on the H200 (torch 2.11 / triton 3.6, bf16), from the repository root:
+
+    OUT=./out python scripts/sweep_paths.py                    # default subset, about 4 minutes
+    OUT=./out python scripts/sweep_paths.py --models glm-5 --heads 16 --budget-s 60
+
+Points run cheapest first until ``--budget-s`` seconds have passed; the rest are listed as skipped.
+Writes ``$OUT/sweep_paths.json`` (command, git rev, GPU, versions, date, every timing, the implied
+thresholds). Exit status 1 when any output check failed or a path raised.
+
+Useful work (TFLOP/s column): the per-token sparse MLA FLOPs 2 * H * K_valid * (D_qk + D_v) with the
+latent dims (576 + 512, or 512 + 512 for NoPE), summed over queries (``dispatch.sparse_work``), the
+same for every path, so a higher figure is a faster path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+DEFAULT_PURE = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+DEFAULT_CACHED = ((6144, 2048), (12288, 4096), (28672, 4096))
+PATHS_ORDER = ("dense_mha", "masked_mha", "mqa_grouped", "mqa_per_token")
+# rough rates (FLOP/s) used only to order the points and to skip calls longer than --max-call-s
+EST_MHA_RATE = 250e12
+EST_SPARSE_RATE = 120e12
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="deepseek-v3.2,glm-5,glm-5.3-flash", help="comma-separated MODELS keys")
+    ap.add_argument("--heads", default="16,32,64,128", help="heads per rank to run (those dividing num_heads)")
+    ap.add_argument("--pure", default=",".join(map(str, DEFAULT_PURE)), help="prompt lengths without cache")
+    ap.add_argument("--cached", default=",".join(f"{c}+{n}" for c, n in DEFAULT_CACHED),
+                    help="cached+new points, e.g. 6144+2048")
+    ap.add_argument("--topk", type=int, default=2048)
+    ap.add_argument("--overlap", default="mid", help="sparse_mla.workloads overlap preset (high, mid, low, none, random)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--budget-s", type=float, default=230.0, help="stop starting new points after this many seconds")
+    ap.add_argument("--max-call-s", type=float, default=1.0, help="skip a path whose estimated call time exceeds this")
+    ap.add_argument("--warmup-ms", type=int, default=10)
+    ap.add_argument("--rep-ms", type=int, default=60)
+    ap.add_argument("--check-tokens", type=int, default=128, help="tokens checked at each end (0 = no check)")
+    ap.add_argument("--tol", type=float, default=1e-2, help="relative Frobenius error allowed (bf16)")
+    ap.add_argument("--smoke-cpu", action="store_true",
+                    help="run the script's code on the CPU (Triton interpreter, fp16, one wall-clock run per path): "
+                         "a test of the script, not a measurement; use tiny --pure/--cached/--heads/--topk")
+    return ap.parse_args(argv)
+
+
+def git_rev() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout
+        return rev + ("-dirty" if dirty.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    x, ref = x.float(), ref.float()
+    d = ref.norm().item()
+    return (x - ref).norm().item() / d if d > 0 else (x - ref).norm().item()
+
+
+def make_inputs(model, cached: int, new: int, topk: int, heads: int, overlap: str, seed: int,
+                dev: torch.device, bf: torch.dtype) -> dict:
+    """Tensors for one point at ``heads`` heads (sliced per head count later): q, kv, kv_b_proj
+    weight with unit-scale K/V, and synthetic causal top-k lists (``sparse_mla.workloads``)."""
+    from sparse_mla.workloads import synthetic_batch
+
+    g = torch.Generator(device=dev).manual_seed(seed)
+    r, dn, dr, dv = model.kv_lora_rank, model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim
+    batch = synthetic_batch([cached], [new], topk, overlap, seed=seed, device=dev)
+    N = batch.num_kv_rows
+    return dict(
+        q_nope=torch.randn(new, heads, dn, device=dev, generator=g).to(bf),
+        q_pe=torch.randn(new, heads, dr, device=dev, generator=g).to(bf) if dr else None,
+        kv=torch.randn(N, r + dr, device=dev, generator=g).to(bf),
+        w_kv_b=(torch.randn(heads * (dn + dv), r, device=dev, generator=g) * r**-0.5).to(bf),
+        indices=batch.indices.contiguous(),
+        cached_lens=[cached], new_lens=[new], sm_scale=model.sm_scale,
+    )
+
+
+def slice_heads(inp: dict, model, H: int) -> dict:
+    per = model.qk_nope_head_dim + model.v_head_dim
+    out = dict(inp)
+    out["q_nope"] = inp["q_nope"][:, :H].contiguous()
+    out["q_pe"] = None if inp["q_pe"] is None else inp["q_pe"][:, :H].contiguous()
+    out["w_kv_b"] = inp["w_kv_b"][: H * per].contiguous()
+    return out
+
+
+def sub_problem(inp: dict, lo: int, hi: int) -> dict:
+    """The tokens lo..hi-1 of a one-request point as their own step (the reference is per token)."""
+    c = inp["cached_lens"][0]
+    return {**inp, "q_nope": inp["q_nope"][lo:hi], "q_pe": None if inp["q_pe"] is None else inp["q_pe"][lo:hi],
+            "indices": inp["indices"][lo:hi], "cached_lens": [c + lo], "new_lens": [hi - lo], "row_offsets": [0]}
+
+
+def implied_thresholds(rows: list[dict]) -> dict:
+    """Per heads-per-rank: the work ratios where masked MHA beat / lost to the best sparse MQA path,
+    a suggested masked_mha_max_work_ratio between them, and how often grouped beat per-token."""
+    out = {}
+    for H in sorted({r["heads"] for r in rows}):
+        won, lost, g_win, g_tot, min_t_grouped_wins = [], [], 0, 0, None
+        for r in rows:
+            if r["heads"] != H or r["dense_eligible"]:
+                continue
+            ms = {p: v["ms"] for p, v in r["paths"].items() if v.get("ms") is not None}
+            sparse = [ms[p] for p in ("mqa_grouped", "mqa_per_token") if p in ms]
+            if "masked_mha" in ms and sparse:
+                (won if ms["masked_mha"] < min(sparse) else lost).append(r["work_ratio"])
+            if "mqa_grouped" in ms and "mqa_per_token" in ms:
+                g_tot += 1
+                if ms["mqa_grouped"] < ms["mqa_per_token"]:
+                    g_win += 1
+                    T = r["new"]
+                    min_t_grouped_wins = T if min_t_grouped_wins is None else min(min_t_grouped_wins, T)
+        lo = max(won) if won else None
+        hi = min(lost) if lost else None
+        if lo is not None and hi is not None:
+            suggest = math.sqrt(lo * hi) if lo < hi else None  # inconsistent: no single ratio splits them
+        else:
+            suggest = (lo * 1.25) if lo is not None else (hi * 0.8 if hi is not None else None)
+        out[H] = {"masked_won_up_to_ratio": lo, "masked_lost_from_ratio": hi, "suggested_masked_max_work_ratio": suggest,
+                  "grouped_beat_per_token": f"{g_win}/{g_tot}", "smallest_T_grouped_won": min_t_grouped_wins}
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.pop("SPARSE_MLA_PATH", None)  # the "auto" column must be the dispatcher's own choice
+    if args.smoke_cpu:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the first kernel module is imported
+        dev, dtype = torch.device("cpu"), torch.float16
+    elif torch.cuda.is_available():
+        dev, dtype = torch.device("cuda"), torch.bfloat16
+    else:
+        print("sweep_paths.py needs a CUDA GPU (it times Triton kernels); --smoke-cpu tests the script", file=sys.stderr)
+        return 2
+    import triton
+    import triton.testing
+
+    def bench(fn):
+        if args.smoke_cpu:
+            t0 = time.perf_counter()
+            fn()
+            ms = (time.perf_counter() - t0) * 1e3
+            return ms, ms, ms
+        return triton.testing.do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms, quantiles=[0.5, 0.2, 0.8])
+
+    from sparse_mla.layer import PrefillStep, dsa_prefill, dsa_prefill_ref, explain
+    from sparse_mla.layer.dispatch import THRESHOLDS, mha_work, sparse_work, work_ratio
+    from sparse_mla.workloads.models import MODELS
+
+    out_dir = os.environ.get("OUT", "./out")
+    os.makedirs(out_dir, exist_ok=True)
+    models = [MODELS[m.strip()] for m in args.models.split(",") if m.strip()]
+    heads_req = [int(h) for h in args.heads.split(",") if h.strip()]
+    points = [(0, int(n)) for n in args.pure.split(",") if n.strip()]
+    points += [tuple(int(x) for x in p.split("+")) for p in args.cached.split(",") if p.strip()]
+
+    def step_for(model, H, c, n):
+        return PrefillStep(H, model.kv_lora_rank, model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim,
+                           args.topk, (c,), (n,))
+
+    def est_s(step, path):
+        if path in ("dense_mha", "masked_mha"):
+            return mha_work(step) / EST_MHA_RATE
+        return sparse_work(step) / EST_SPARSE_RATE
+
+    work = []  # (estimated seconds, model, point, heads list)
+    for m in models:
+        hs = [h for h in heads_req if h <= m.num_heads and m.num_heads % h == 0]
+        for c, n in points:
+            est = sum(est_s(step_for(m, h, c, n), p) for h in hs for p in PATHS_ORDER)
+            work.append((est, m, (c, n), hs))
+    work.sort(key=lambda w: w[0])
+
+    meta = {
+        "command": " ".join([sys.executable, *sys.argv]), "git_rev": git_rev(),
+        "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke test, Triton interpreter)",
+        "torch": torch.__version__, "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "args": vars(args), "thresholds_in_code": {k: v for k, v in THRESHOLDS.items()},
+    }
+    print(f"# {meta['gpu']}  torch {meta['torch']}  triton {meta['triton']}  rev {meta['git_rev']}  {meta['date']}")
+    hdr = f"{'model':14s} {'H':>3s} {'cached':>6s} {'new':>6s} {'ratio':>5s} | " + " ".join(f"{p:>13s}" for p in PATHS_ORDER)
+    print(hdr + " | best          auto (x best)")
+    rows, skipped, failures = [], [], 0
+    t_start = time.monotonic()
+    for _est, m, (c, n), hs in work:
+        if time.monotonic() - t_start > args.budget_s:
+            skipped.append({"model": m.name, "cached": c, "new": n, "heads": hs, "why": "budget"})
+            continue
+        t_gen = time.monotonic()
+        try:
+            base = make_inputs(m, c, n, args.topk, max(hs), args.overlap, args.seed, dev, dtype)
+        except Exception as e:  # report and continue: one point must not end the sweep
+            failures += 1
+            skipped.append({"model": m.name, "cached": c, "new": n, "heads": hs, "why": f"input generation: {e!r}"})
+            continue
+        gen_s = time.monotonic() - t_gen
+        for H in hs:
+            inp = slice_heads(base, m, H)
+            step = step_for(m, H, c, n)
+            decision = explain(step, "auto")
+            refs = []
+            k = min(args.check_tokens, n)
+            if k > 0:
+                for lo, hi in ((0, k), (n - k, n)):
+                    refs.append((lo, hi, dsa_prefill_ref(**sub_problem(inp, lo, hi))))
+            useful = sparse_work(step)
+            row = {"model": m.name, "heads": H, "cached": c, "new": n, "topk": args.topk, "overlap": args.overlap,
+                   "work_ratio": work_ratio(step), "dense_eligible": decision.supports["dense_mha"][0],
+                   "useful_flop": useful, "input_gen_s": gen_s, "auto": decision.path, "auto_reason": decision.reason,
+                   "paths": {}}
+            out = torch.empty(n, H, m.v_head_dim, dtype=dtype, device=dev)
+            for path in PATHS_ORDER:
+                ok, why = decision.supports[path]
+                rec: dict = {"supported": ok, "reason": why}
+                row["paths"][path] = rec
+                if not ok:
+                    continue
+                if est_s(step, path) > args.max_call_s:
+                    rec["skipped"] = f"estimated {est_s(step, path):.2f} s per call > --max-call-s"
+                    continue
+                try:
+                    out.fill_(float("nan"))
+                    dsa_prefill(**inp, path=path, out=out)
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize()
+                    errs = [rel_err(out[lo:hi], ref) for lo, hi, ref in refs]
+                    rec["check_rel_err"] = max(errs) if errs else None
+                    if errs and not (max(errs) < args.tol):  # NaN fails too
+                        failures += 1
+                        rec["check_failed"] = True
+                    fn = lambda inp=inp, path=path, out=out: dsa_prefill(**inp, path=path, out=out)  # noqa: E731
+                    med, p20, p80 = bench(fn)
+                    rec.update(ms=med, ms_p20=p20, ms_p80=p80, tflops=useful / (med * 1e-3) / 1e12)
+                except Exception as e:  # record (e.g. out of memory) and keep sweeping
+                    failures += 1
+                    rec["error"] = repr(e)
+                    rec["traceback"] = traceback.format_exc(limit=3)
+                    if dev.type == "cuda":
+                        torch.cuda.empty_cache()
+            timed = {p: v["ms"] for p, v in row["paths"].items() if v.get("ms") is not None}
+            row["best"] = min(timed, key=timed.get) if timed else None
+            row["auto_slowdown"] = (timed[row["auto"]] / timed[row["best"]]) if row["auto"] in timed and timed else None
+            rows.append(row)
+
+            def cell(p, row=row):
+                v = row["paths"][p]
+                if v.get("ms") is not None:
+                    flag = "!" if v.get("check_failed") else ""
+                    return f"{v['ms']:8.3f}ms{flag:1s}".rjust(13)
+                return ("ERR" if "error" in v else "skip" if "skipped" in v else "-").rjust(13)
+
+            slow = f"x{row['auto_slowdown']:.2f}" if row["auto_slowdown"] else "n/a"
+            print(f"{m.name:14s} {H:3d} {c:6d} {n:6d} {row['work_ratio']:5.2f} | " + " ".join(cell(p) for p in PATHS_ORDER)
+                  + f" | {str(row['best']):13s} {row['auto']} ({slow})", flush=True)
+        del base
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+    implied = implied_thresholds(rows)
+    print("\n# implied thresholds (work ratio = MHA FLOPs over causal windows / sparse FLOPs over top-k)")
+    for H, v in implied.items():
+        print(f"H {H:3d}: masked MHA won up to ratio {v['masked_won_up_to_ratio']}, lost from {v['masked_lost_from_ratio']}"
+              f" -> suggested limit {v['suggested_masked_max_work_ratio']}; grouped beat per-token {v['grouped_beat_per_token']}"
+              f" (smallest T where it won: {v['smallest_T_grouped_won']})")
+    table = tuple((H, round(v["suggested_masked_max_work_ratio"], 2)) for H, v in implied.items()
+                  if v["suggested_masked_max_work_ratio"] is not None)
+    print(f'suggested THRESHOLDS["masked_mha_max_work_ratio"] = {table}')
+    if skipped:
+        print(f"# skipped {len(skipped)} point(s): " + ", ".join(f"{s['model']} {s['cached']}+{s['new']} ({s['why']})"
+                                                               for s in skipped))
+    result = {**meta, "rows": rows, "skipped": skipped, "implied_thresholds": implied,
+              "suggested_masked_mha_max_work_ratio": table, "elapsed_s": time.monotonic() - t_start, "failures": failures}
+    path = os.path.join(out_dir, "sweep_paths.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    print(f"# wrote {path}; {failures} failure(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

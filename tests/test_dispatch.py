@@ -1,0 +1,198 @@
+"""The layer dispatcher as plain Python: ``PrefillStep`` in, (path, reason) out, no tensors.
+
+Covers the automatic choice for each layout and heads per rank, refusals with their reasons,
+forcing by argument and by the SPARSE_MLA_PATH environment variable, fallback of an unsupported
+forced path (warning, never a crash), the thresholds table being the one that decides, and a
+property test that the chosen path always supports the step.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparse_mla.layer import dispatch
+from sparse_mla.layer.config import PrefillStep, causal_sums
+from sparse_mla.layer.dispatch import PATH_NAMES, PathFallbackWarning, choose_path, explain
+from sparse_mla.workloads.models import MODELS
+
+TOPK = 2048
+
+
+def step(model: str = "deepseek-v3.2", tp: int = 8, cached=(0,), new=(4096,), **kw) -> PrefillStep:
+    return PrefillStep.from_model(MODELS[model], tp_size=tp, cached_lens=cached, new_lens=new, **kw)
+
+
+@pytest.fixture(autouse=True)
+def _no_env(monkeypatch):
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+
+
+AUTO_CASES = [
+    # (id, step kwargs, expected path, fragment of the reason)
+    ("short-prompt-dense", dict(new=(1500,)), "dense_mha", "whole prefix"),
+    ("short-with-cache-dense", dict(cached=(1000,), new=(1000,)), "dense_mha", "2000 <= 2048"),
+    ("two-requests-one-long", dict(cached=(0, 0), new=(1000, 3000)), "masked_mha", "work ratio"),
+    ("deepseek-tp8-mid-masked", dict(new=(8192,)), "masked_mha", "H = 16"),
+    ("deepseek-tp8-long-grouped", dict(new=(32768,)), "mqa_grouped", "work ratio"),
+    ("deepseek-tp1-mid-per-token", dict(tp=1, new=(16384,)), "mqa_per_token", "G = 1"),
+    ("deepseek-tp1-long-per-token", dict(tp=1, new=(65536,)), "mqa_per_token", "nothing to group"),
+    ("glm5-tp4-long-grouped", dict(model="glm-5", tp=4, new=(32768,)), "mqa_grouped", "H = 16 <= 64"),
+    ("nope-tp1-long-grouped", dict(model="glm-5.3-flash", tp=1, new=(65536,)), "mqa_grouped", "H = 64 <= 64"),
+    ("chunk-after-long-cache", dict(cached=(60000,), new=(2048,)), "mqa_grouped", "work ratio"),
+    ("few-tokens-long-cache", dict(cached=(30000,), new=(8,)), "mqa_per_token", "T = 8 < 256"),
+    ("cache-heavy-chunk", dict(cached=(20000,), new=(256,)), "mqa_grouped", "work ratio 2.8"),
+    ("window-cap", dict(new=(20000,)), "mqa_grouped", "longest window 20000 > 16384"),
+]
+
+
+@pytest.mark.parametrize("kw,expected,why", [c[1:] for c in AUTO_CASES], ids=[c[0] for c in AUTO_CASES])
+def test_auto_choice(kw, expected, why):
+    name, reason = choose_path(step(**kw))
+    assert name == expected, reason
+    assert why in reason
+
+
+def test_explain_lists_every_path_with_reasons():
+    d = explain(step(new=(32768,)))
+    assert set(d.supports) == set(PATH_NAMES)
+    ok, why = d.supports["dense_mha"]
+    assert not ok and "32768 > topk 2048" in why
+    assert d.supports["mqa_grouped"][0] and d.supports["mqa_per_token"][0]
+    assert d.work_ratio == pytest.approx(dispatch.work_ratio(step(new=(32768,))))
+    text = str(d)
+    assert all(name in text for name in PATH_NAMES)
+    d128 = explain(step(tp=1, new=(32768,)))
+    assert not d128.supports["mqa_grouped"][0] and "H = 128" in d128.supports["mqa_grouped"][1]
+
+
+def test_refusals():
+    # caller says the lists are partial, or topk_length may cut them: no dense even for short prompts
+    assert choose_path(step(new=(100,), dense_topk=False))[0] != "dense_mha"
+    d = explain(step(new=(100,), has_topk_length=True))
+    assert d.path != "dense_mha" and "topk_length" in d.supports["dense_mha"][1]
+    assert choose_path(step(new=(100,), has_topk_length=True, dense_topk=True))[0] == "dense_mha"
+    # the caller's promise makes long prompts dense too
+    assert choose_path(step(new=(30000,), dense_topk=True))[0] == "dense_mha"
+    # no Triton (CPU without TRITON_INTERPRET): only the dense path; a sparse step has no path at all
+    assert choose_path(step(new=(100,), kernels_available=False))[0] == "dense_mha"
+    d = explain(step(new=(100,), kernels_available=False), path="masked_mha")
+    assert d.fell_back and "TRITON_INTERPRET" in d.supports["masked_mha"][1]
+    with pytest.raises(ValueError, match="no path supports"):
+        choose_path(step(new=(30000,), kernels_available=False))
+    # dims the MQA kernels do not take: masked MHA is the only sparse path, even when long
+    odd = PrefillStep(16, 256, 128, 64, 128, TOPK, (0,), (65536,))
+    d = explain(odd)
+    assert d.path == "masked_mha" and "only supported" in d.reason
+    assert "kv_lora_rank" in d.supports["mqa_per_token"][1]
+    # memory caps of the MHA paths
+    huge = step(tp=1, new=(2**20,))
+    d = explain(huge)
+    assert not d.supports["masked_mha"][0] and "GiB" in d.supports["masked_mha"][1]
+
+
+def test_forcing_by_argument_and_environment(monkeypatch):
+    s = step(new=(32768,))
+    assert choose_path(s, "mqa_per_token") == ("mqa_per_token", "forced by path=mqa_per_token")
+    monkeypatch.setenv(dispatch.ENV_VAR, "masked_mha")
+    name, reason = choose_path(s)
+    assert name == "masked_mha" and dispatch.ENV_VAR in reason
+    assert choose_path(s, "auto")[0] == "masked_mha", "'auto' defers to the environment"
+    assert choose_path(s, "mqa_per_token")[0] == "mqa_per_token", "the argument wins over the environment"
+    monkeypatch.setenv(dispatch.ENV_VAR, "auto")
+    assert choose_path(s)[0] == "mqa_grouped"
+
+
+def test_forced_unsupported_falls_back():
+    s = step(new=(32768,))
+    d = explain(s, "dense_mha")  # explain itself warns about nothing
+    assert d.fell_back and d.requested == "dense_mha" and d.path == "mqa_grouped"
+    assert "does not support" in d.reason and "32768 > topk 2048" in d.reason
+    with pytest.warns(PathFallbackWarning, match="fell back to mqa_grouped"):
+        dispatch.decide_and_log(s, "dense_mha")
+    d = explain(step(tp=1, new=(32768,)), "mqa_grouped")
+    assert d.fell_back and d.path == "mqa_per_token"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not dispatch.decide_and_log(s, "mqa_per_token").fell_back
+
+
+def test_unknown_names(monkeypatch):
+    with pytest.raises(ValueError, match="path must be"):
+        choose_path(step(), "flash_attn")
+    monkeypatch.setenv(dispatch.ENV_VAR, "flash_attn")
+    with pytest.warns(PathFallbackWarning, match="not a path"):
+        name, _ = choose_path(step(new=(32768,)))
+    assert name == "mqa_grouped"
+
+
+def test_thresholds_table_decides(monkeypatch):
+    s = step(new=(8192,))
+    assert choose_path(s)[0] == "masked_mha"
+    monkeypatch.setitem(dispatch.THRESHOLDS, "masked_mha_max_work_ratio", ((128, 0.0),))
+    assert choose_path(s)[0] == "mqa_grouped"
+    monkeypatch.setitem(dispatch.THRESHOLDS, "masked_mha_max_work_ratio", ((16, 1.6), (128, 0.8)))
+    monkeypatch.setitem(dispatch.THRESHOLDS, "masked_mha_max_window", 4096)
+    name, reason = choose_path(s)
+    assert name == "mqa_grouped" and "longest window 8192 > 4096" in reason
+    monkeypatch.setitem(dispatch.THRESHOLDS, "grouped_min_tokens", 10**9)
+    assert choose_path(s)[0] == "mqa_per_token"
+    assert dispatch.masked_ratio_limit(16) == 1.6 and dispatch.masked_ratio_limit(17) == 0.8
+    assert dispatch.masked_ratio_limit(1024) == 0.8
+
+
+def test_work_model():
+    for c, n, k in [(0, 10, 4), (3, 10, 4), (10, 5, 4), (0, 1, 1), (7, 0, 3), (2, 9, 100)]:
+        brute = sum(c + i + 1 for i in range(n))
+        brute_k = sum(min(k, c + i + 1) for i in range(n))
+        assert causal_sums(c, n) == brute and causal_sums(c, n, k) == brute_k
+    s = step(new=(4096,))
+    H = 16
+    assert dispatch.mha_work(s) == 2 * H * (192 + 128) * causal_sums(0, 4096)
+    assert dispatch.sparse_work(s) == 2 * H * (576 + 512) * causal_sums(0, 4096, TOPK)
+
+
+def test_step_validation():
+    with pytest.raises(ValueError, match="num_heads"):
+        PrefillStep(0, 512, 128, 64, 128, TOPK, (0,), (1,))
+    with pytest.raises(ValueError, match="qk_rope_head_dim"):
+        PrefillStep(16, 512, 128, -1, 128, TOPK, (0,), (1,))
+    with pytest.raises(ValueError, match="B >= 1"):
+        PrefillStep(16, 512, 128, 64, 128, TOPK, (0, 1), (1,))
+    with pytest.raises(ValueError, match="new_lens"):
+        PrefillStep(16, 512, 128, 64, 128, TOPK, (0,), (-1,))
+    with pytest.raises(TypeError, match="cached_lens"):
+        PrefillStep(16, 512, 128, 64, 128, TOPK, (0.5,), (1,))
+    with pytest.raises(TypeError, match="dense_topk"):
+        PrefillStep(16, 512, 128, 64, 128, TOPK, (0,), (1,), dense_topk="yes")
+    with pytest.raises(ValueError, match="tp_size"):
+        step(tp=3)
+    with pytest.raises(TypeError, match="PrefillStep"):
+        explain({"num_heads": 16})
+    s = step(model="glm-5.3-flash", tp=2, cached=(5, 0), new=(3, 0))
+    assert (s.num_heads, s.mha_qk_head_dim, s.latent_d_qk, s.num_tokens, s.max_window) == (32, 256, 512, 3, 8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    model=st.sampled_from(sorted(MODELS)),
+    tp=st.sampled_from([1, 2, 4, 8]),
+    reqs=st.lists(st.tuples(st.integers(0, 70000), st.integers(0, 70000)), min_size=1, max_size=4),
+    topk=st.sampled_from([16, 512, 2048]),
+    dense_topk=st.sampled_from([None, True, False]),
+    has_topk_length=st.booleans(),
+    forced=st.sampled_from([None, *PATH_NAMES]),
+)
+def test_choice_always_supported(model, tp, reqs, topk, dense_topk, has_topk_length, forced):
+    s = step(model=model, tp=tp, cached=tuple(r[0] for r in reqs), new=tuple(r[1] for r in reqs), topk=topk,
+             dense_topk=dense_topk, has_topk_length=has_topk_length)
+    d = explain(s, forced)
+    assert d.supports[d.path][0], d
+    assert d.fell_back == (forced is not None and not d.supports[forced][0])
+    if forced is not None and not d.fell_back:
+        assert d.path == forced
+    if forced is None and d.supports["dense_mha"][0]:
+        assert d.path == "dense_mha"
