@@ -147,7 +147,11 @@ def realistic(args, dev) -> dict:
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    graph_equal = bool(torch.equal(out, eager_out) and torch.equal(lse, eager_lse))
+    # grouped unions are built with atomics: row order, hence fp32 summation order, varies per run
+    fin = torch.isfinite(eager_lse)
+    graph_equal = bool(torch.equal(torch.isfinite(lse), fin)
+                       and (out.float() - eager_out.float()).norm() <= 5e-3 * eager_out.float().norm()
+                       and (lse[fin] - eager_lse[fin]).abs().max() <= 1e-2)
 
     def timed(fn, reps=20):
         times = []

@@ -225,7 +225,9 @@ def test_cuda_graph_replay_with_new_data_equals_eager(engine, use_op):
         replay = [s[k].clone() for k in ("idx", "out", "lse")]
         idx_e, out_e, lse_e = _eager(engine, st)
         assert torch.equal(replay[0], idx_e), "converted indices differ from eager"
-        assert torch.equal(replay[1], out_e) and torch.equal(replay[2], lse_e), "replayed step differs from eager"
+        # The grouped union's row order depends on the order of atomics, so two runs of the same step
+        # differ by fp32 summation order only: compare with a rounding tolerance, not bitwise.
+        assert _close(replay[1], out_e) and _close(replay[2], lse_e), "replayed step differs from eager"
         ref_out, ref_lse = sparse_mla_ref(st.q, engine.rows, idx_e, SCALE)
         assert_matches_reference(replay[1], replay[2], ref_out, ref_lse, DTYPE)
 
@@ -259,6 +261,15 @@ def test_step_allocates_no_device_memory(engine):
         assert after[key] == before[key], f"{key}: {before[key]} -> {after[key]} during a step"
 
 
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same inf/NaN positions and values equal up to bf16 rounding of a different fp32 summation order."""
+    if not torch.equal(torch.isfinite(a), torch.isfinite(b)):
+        return False
+    fin = torch.isfinite(a)
+    d = (a[fin].float() - b[fin].float()).norm()
+    return bool(d <= 5e-3 * b[fin].float().norm() + 1e-6)
+
+
 def test_torch_compile_inductor_matches_eager(engine):
     st = make_step(40, 3, seed=30, n_pad=2)
     bufs = workspace_buffers(engine.ws)
@@ -275,7 +286,7 @@ def test_torch_compile_inductor_matches_eager(engine):
         lse = torch.full((40, H), float("nan"), device="cuda")
         results.append((*f(st.q, st.req_id, st.block_table, st.topk_local, st.cu, out, lse), out, lse))
     for a, b in zip(*results):
-        assert torch.equal(a, b)
+        assert torch.equal(a, b) if a.dtype == torch.int32 else _close(a, b)
     idx, o2, l2, out, lse = results[1]
     ref_out, ref_lse = sparse_mla_ref(st.q, engine.rows, idx, SCALE)
     assert_matches_reference(out, lse, ref_out, ref_lse, DTYPE)
