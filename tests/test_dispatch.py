@@ -32,20 +32,22 @@ def _no_env(monkeypatch):
 
 
 AUTO_CASES = [
+    # Measured (results/sweep_paths.json): grouping is never chosen automatically for now; long
+    # prompts run per token (THRESHOLDS["grouped_min_tokens"]).
     # (id, step kwargs, expected path, fragment of the reason)
     ("short-prompt-dense", dict(new=(1500,)), "dense_mha", "whole prefix"),
     ("short-with-cache-dense", dict(cached=(1000,), new=(1000,)), "dense_mha", "2000 <= 2048"),
     ("two-requests-one-long", dict(cached=(0, 0), new=(1000, 3000)), "masked_mha", "work ratio"),
     ("deepseek-tp8-mid-masked", dict(new=(8192,)), "masked_mha", "H = 16"),
-    ("deepseek-tp8-long-grouped", dict(new=(32768,)), "mqa_grouped", "work ratio"),
+    ("deepseek-tp8-long-grouped", dict(new=(32768,)), "mqa_per_token", "not grouped"),
     ("deepseek-tp1-mid-per-token", dict(tp=1, new=(16384,)), "mqa_per_token", "G = 1"),
     ("deepseek-tp1-long-per-token", dict(tp=1, new=(65536,)), "mqa_per_token", "nothing to group"),
-    ("glm5-tp4-long-grouped", dict(model="glm-5", tp=4, new=(32768,)), "mqa_grouped", "H = 16 <= 64"),
-    ("nope-tp1-long-grouped", dict(model="glm-5.3-flash", tp=1, new=(65536,)), "mqa_grouped", "H = 64 <= 64"),
-    ("chunk-after-long-cache", dict(cached=(60000,), new=(2048,)), "mqa_grouped", "work ratio"),
-    ("few-tokens-long-cache", dict(cached=(30000,), new=(8,)), "mqa_per_token", "T = 8 < 256"),
-    ("cache-heavy-chunk", dict(cached=(20000,), new=(256,)), "mqa_grouped", "work ratio 2.8"),
-    ("window-cap", dict(new=(20000,)), "mqa_grouped", "longest window 20000 > 16384"),
+    ("glm5-tp4-long-grouped", dict(model="glm-5", tp=4, new=(32768,)), "mqa_per_token", "not grouped"),
+    ("nope-tp1-long-grouped", dict(model="glm-5.3-flash", tp=1, new=(65536,)), "mqa_per_token", "not grouped"),
+    ("chunk-after-long-cache", dict(cached=(60000,), new=(2048,)), "mqa_per_token", "not grouped"),
+    ("few-tokens-long-cache", dict(cached=(30000,), new=(8,)), "mqa_per_token", "not grouped"),
+    ("cache-heavy-chunk", dict(cached=(20000,), new=(256,)), "mqa_per_token", "not grouped"),
+    ("window-cap", dict(new=(20000,)), "mqa_per_token", "not grouped"),
 ]
 
 
@@ -103,15 +105,15 @@ def test_forcing_by_argument_and_environment(monkeypatch):
     assert choose_path(s, "auto")[0] == "masked_mha", "'auto' defers to the environment"
     assert choose_path(s, "mqa_per_token")[0] == "mqa_per_token", "the argument wins over the environment"
     monkeypatch.setenv(dispatch.ENV_VAR, "auto")
-    assert choose_path(s)[0] == "mqa_grouped"
+    assert choose_path(s)[0] == "mqa_per_token"
 
 
 def test_forced_unsupported_falls_back():
     s = step(new=(32768,))
     d = explain(s, "dense_mha")  # explain itself warns about nothing
-    assert d.fell_back and d.requested == "dense_mha" and d.path == "mqa_grouped"
+    assert d.fell_back and d.requested == "dense_mha" and d.path == "mqa_per_token"
     assert "does not support" in d.reason and "32768 > topk 2048" in d.reason
-    with pytest.warns(PathFallbackWarning, match="fell back to mqa_grouped"):
+    with pytest.warns(PathFallbackWarning, match="fell back to mqa_per_token"):
         dispatch.decide_and_log(s, "dense_mha")
     d = explain(step(tp=1, new=(32768,)), "mqa_grouped")
     assert d.fell_back and d.path == "mqa_per_token"
@@ -126,12 +128,13 @@ def test_unknown_names(monkeypatch):
     monkeypatch.setenv(dispatch.ENV_VAR, "flash_attn")
     with pytest.warns(PathFallbackWarning, match="not a path"):
         name, _ = choose_path(step(new=(32768,)))
-    assert name == "mqa_grouped"
+    assert name == "mqa_per_token"
 
 
 def test_thresholds_table_decides(monkeypatch):
     s = step(new=(8192,))
     assert choose_path(s)[0] == "masked_mha"
+    monkeypatch.setitem(dispatch.THRESHOLDS, "grouped_min_tokens", 256)
     monkeypatch.setitem(dispatch.THRESHOLDS, "masked_mha_max_work_ratio", ((128, 0.0),))
     assert choose_path(s)[0] == "mqa_grouped"
     monkeypatch.setitem(dispatch.THRESHOLDS, "masked_mha_max_work_ratio", ((16, 1.6), (128, 0.8)))

@@ -47,13 +47,18 @@ PATH_NAMES = tuple(PATHS)
 # at any head count; sparse MQA ~250 (grouped, H 16), ~300 (H 32), ~330 (H 64), ~500 (per token,
 # H 128) TFLOP/s of useful work. Masked MHA wins when work_mha / work_sparse < rate_mha / rate_sparse.
 # ---------------------------------------------------------------------------------------------
+# Measured on the H200 by scripts/sweep_paths.py (results/sweep_paths.json, rev d497e03): the
+# masked-MHA limits are the sweep's suggested ones (H = 16: between the last win at 1.08 and the
+# first loss at 1.03, so 1.05); grouping never beat per token at H >= 32 and only at 6 of 21 points
+# at H = 16 (the union build costs more than it saves: NOTES-GPU.md), so the automatic choice does
+# not group (grouped_min_tokens above any step); path="mqa_grouped" still forces it.
 THRESHOLDS = {
     # (max heads per rank, largest work_mha / work_sparse at which masked MHA is chosen)
-    "masked_mha_max_work_ratio": ((16, 1.6), (32, 1.35), (64, 1.2), (128, 0.8)),
+    "masked_mha_max_work_ratio": ((16, 1.05), (32, 0.83), (64, 0.67), (128, 0.51)),
     # masked MHA only when no request window (cached + new) is longer than this
     "masked_mha_max_window": 16384,
     # grouped sparse MQA only when the step has at least this many new tokens (else per token)
-    "grouped_min_tokens": 256,
+    "grouped_min_tokens": 2**31,
 }
 
 
