@@ -101,7 +101,8 @@ def sparse_mla_fwd(
     if out is None:
         out = torch.empty(T, H, d_v, dtype=q.dtype, device=q.device)
     elif out.shape != (T, H, d_v) or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
-        raise ValueError(f"out must be [T, H, d_v] = [{T}, {H}, {d_v}] {q.dtype} on {q.device}, last dim contiguous; got {tuple(out.shape)} {out.dtype}")
+        raise ValueError(f"out must be [T, H, d_v] = [{T}, {H}, {d_v}] {q.dtype} on {q.device}, last dim contiguous; "
+                         f"got {tuple(out.shape)} {out.dtype}")
     if lse is None and return_lse:
         lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     elif lse is not None and (lse.shape != (T, H) or lse.dtype != torch.float32 or not lse.is_contiguous()):

@@ -144,7 +144,7 @@ def validate_sparse_mla_args(
     _require_int32("indices", indices, "[T, K] or [T, 1, K]")
     if indices.dim() == 3:
         if indices.shape[1] != 1:
-            raise ValueError(f"indices given as [T, 1, K] (FlashMLA layout) must have size 1 in dim 1, got {tuple(indices.shape)}")
+            raise ValueError(f"indices given as [T, 1, K] (FlashMLA layout) need size 1 in dim 1, got {tuple(indices.shape)}")
         indices = indices[:, 0, :]
     if indices.dim() != 2 or indices.shape[0] != T:
         raise ValueError(f"indices must be [T, K] or [T, 1, K] with T = {T} (the tokens of q), got shape {tuple(indices.shape)}")

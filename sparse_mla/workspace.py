@@ -58,7 +58,6 @@ class SparseMLAWorkspace:
             raise ValueError(f"max_tokens and topk must be >= 1, got {self.max_tokens}, {self.topk}")
         G, K = self.group_size, self.topk
         self.max_groups = triton.cdiv(self.max_tokens, G)
-        g_p, k_p = triton.next_power_of_2(G), triton.next_power_of_2(K)
         dev = torch.device(self.device)
         self.group_start = torch.zeros(self.max_groups, dtype=torch.int32, device=dev)
         self.group_len = torch.zeros(self.max_groups, dtype=torch.int32, device=dev)
@@ -73,7 +72,7 @@ class SparseMLAWorkspace:
 
     @classmethod
     def for_problem(cls, num_tokens: int, topk: int, num_heads: int, num_kv_rows: int,
-                    device: torch.device | str, group_size: int | None = None) -> "SparseMLAWorkspace":
+                    device: torch.device | str, group_size: int | None = None) -> SparseMLAWorkspace:
         """A workspace for ``num_tokens`` rows of ``num_heads`` heads (G from ``default_group_size``)."""
         G = group_size or default_group_size(num_heads)
         return cls(num_tokens, topk, G, num_kv_rows, torch.device(device))

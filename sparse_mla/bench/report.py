@@ -47,7 +47,7 @@ def print_table(rows: list[dict], interpreted: bool) -> None:
     for r in rows:
         p = r["paths"]
 
-        def cell(name: str) -> str:
+        def cell(name: str, p: dict = p) -> str:
             return f"{p[name]['ms']:.3f} ({p[name]['tflops']:.0f})" if name in p else "-"
 
         pad = p.get("per_token_pad64")

@@ -114,12 +114,16 @@ def _check_common(q_local, kv, indices, sm_scale, topk_length, d_v, num_real_tok
     return p, n_real
 
 
-def _call_attn(attn_fn: AttnFn, q, kv, indices, sm_scale, d_v, topk_length, return_lse, method, out_dtype):
-    res = attn_fn(q, kv, indices, sm_scale, d_v=d_v, topk_length=topk_length, return_lse=return_lse, method=method)
-    if return_lse:
-        o, l = res
-        return o.to(out_dtype), l.to(torch.float32)
-    return res.to(out_dtype), None
+def _call_attn(attn_fn: AttnFn, q, kv, indices, sm_scale, d_v, topk_length, return_lse, method, out, lse) -> None:
+    """Run the attention into ``out`` / ``lse`` (passed as ``out=`` / ``lse=``, as sparse_mla_fwd
+    takes them); a function that returns other tensors is copied from."""
+    res = attn_fn(q, kv, indices, sm_scale, d_v=d_v, topk_length=topk_length, return_lse=return_lse, method=method,
+                  out=out, lse=lse)
+    o, l = res if return_lse else (res, None)
+    if o is not out:
+        out.copy_(o)
+    if return_lse and l is not lse:
+        lse.copy_(l)
 
 
 def _alloc_outputs(T, H_local, d_v, q, return_lse, out, lse):
@@ -147,11 +151,8 @@ def _tp_forward(p, n_real, attn_fn, method, return_lse, out, lse, watch):
     watch.mark()
     if n_real > 0:
         tl = p.topk_length[:n_real] if p.topk_length is not None else None
-        o, l = _call_attn(attn_fn, p.q[:n_real], p.kv, p.indices[:n_real], p.sm_scale, p.d_v, tl,
-                          return_lse, method, p.q.dtype)
-        out[:n_real].copy_(o)
-        if return_lse:
-            lse[:n_real].copy_(l)
+        _call_attn(attn_fn, p.q[:n_real], p.kv, p.indices[:n_real], p.sm_scale, p.d_v, tl, return_lse, method,
+                   out[:n_real], lse[:n_real] if return_lse else None)
     _fill_padding(out, lse, n_real)
     watch.mark()
     return out, lse
@@ -191,7 +192,9 @@ def tp_sparse_mla_fwd(
         num_real_tokens: Python int in [0, T]; rows at and after it are CUDA-graph padding:
             not computed, out = 0, lse = -inf. None = all T rows are real.
         attn_fn: the attention, called as ``attn_fn(q, kv, indices, sm_scale, d_v=, topk_length=,
-            return_lse=, method=)`` returning out (or (out, lse)); default ``sparse_mla_fwd``.
+            return_lse=, method=, out=, lse=)`` with preallocated out [n, H / W, d_v] / lse [n, H / W]
+            (None without return_lse) to write, returning out (or (out, lse)); returned tensors
+            other than those buffers are copied into them. Default ``sparse_mla_fwd``.
         out / lse: optional preallocated contiguous outputs [T, H / W, d_v] (q's dtype) / [T, H / W] fp32.
         timings: optional dict, filled with ``attention_ms`` and ``total_ms`` (CUDA-event ms on
             CUDA, which synchronizes at the end; host ms on CPU), ``exchange_q_ms`` /
@@ -271,8 +274,10 @@ def shardq_sparse_mla_fwd(
         num_real_tokens: Python int in [0, T]: rows >= it are CUDA-graph padding, not exchanged,
             not computed, out = 0 and lse = -inf there. None = all rows are real.
         attn_fn: the attention, called as ``attn_fn(q, kv, indices, sm_scale, d_v=, topk_length=,
-            return_lse=, method=)``; default ``sparse_mla.sparse_mla_fwd``. Not called for a rank
-            that holds no rows.
+            return_lse=, method=, out=, lse=)`` with the rank's rows, all heads, and preallocated
+            out [T_r, H, d_v] / lse [T_r, H] (None without return_lse) to write; returns out (or
+            (out, lse)); returned tensors other than those buffers are copied into them. Default
+            ``sparse_mla.sparse_mla_fwd``. Not called for a rank that holds no rows.
         out / lse: optional preallocated contiguous outputs [T, H / W, d_v] (q's dtype) and
             [T, H / W] fp32; every element is written.
         timings: optional dict, filled with ``exchange_q_ms`` (send-buffer copy + all-to-all +
@@ -294,8 +299,10 @@ def shardq_sparse_mla_fwd(
     """
     p, n_real = _check_common(q_local, kv, indices, sm_scale, topk_length, d_v, num_real_tokens, attn_fn,
                               out, lse, return_lse)
-    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int) or min_tokens < 0:
-        raise ValueError(f"min_tokens must be an int >= 0, got {min_tokens!r}")
+    if isinstance(min_tokens, bool) or not isinstance(min_tokens, int):
+        raise TypeError(f"min_tokens must be a Python int, got {type(min_tokens).__name__}")
+    if min_tokens < 0:
+        raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("shardq_sparse_mla_fwd needs an initialized torch.distributed process group "
                            "(tp_sparse_mla_fwd runs without one)")
@@ -306,7 +313,9 @@ def shardq_sparse_mla_fwd(
     H = H_local * W
     if W == 1:
         path, reason = "tp", "world size 1: every rank already holds all heads"
-    elif n_real == 0 or n_real < min_tokens:
+    elif n_real == 0:
+        path, reason = "tp", "no real rows"
+    elif n_real < min_tokens:
         path, reason = "tp", f"{n_real} real rows < min_tokens = {min_tokens}"
     else:
         path, reason = "shardq", f"{n_real} real rows >= min_tokens = {min_tokens}, W = {W}, H = {H}"
@@ -341,13 +350,12 @@ def shardq_sparse_mla_fwd(
     watch.mark()
 
     # 2. attention on my rows, all heads (indices / topk_length are replicated: slice my rows).
+    o_r = torch.empty(T_r, H, p.d_v, dtype=p.q.dtype, device=dev)
+    l_r = torch.empty(T_r, H, dtype=torch.float32, device=dev) if return_lse else None
     if T_r > 0:
         idx_r = torch.cat([p.indices[sa:sa + la], p.indices[sb:sb + lb]])
         tl_r = None if p.topk_length is None else torch.cat([p.topk_length[sa:sa + la], p.topk_length[sb:sb + lb]])
-        o_r, l_r = _call_attn(attn_fn, q_r, p.kv, idx_r, p.sm_scale, p.d_v, tl_r, return_lse, method, p.q.dtype)
-    else:
-        o_r = torch.empty(0, H, p.d_v, dtype=p.q.dtype, device=dev)
-        l_r = torch.empty(0, H, dtype=torch.float32, device=dev) if return_lse else None
+        _call_attn(attn_fn, q_r, p.kv, idx_r, p.sm_scale, p.d_v, tl_r, return_lse, method, o_r, l_r)
     watch.mark()
 
     # 3. out (and lse): head block s of my rows goes back to rank s; I receive my heads of every
