@@ -29,6 +29,9 @@ _EXPORTS = {
     "dsa_prefill": "sparse_mla.layer",
     "SparseMLAPrefill": "sparse_mla.layer",
     "dsa_prefill_ref": "sparse_mla.layer",
+    "shardq_sparse_mla_fwd": "sparse_mla.distributed",
+    "tp_sparse_mla_fwd": "sparse_mla.distributed",
+    "zigzag_partition": "sparse_mla.distributed",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

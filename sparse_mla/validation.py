@@ -177,6 +177,22 @@ def validate_sparse_mla_args(
     return problem
 
 
+def counted_entries(indices: torch.Tensor, topk_length: torch.Tensor | None) -> torch.Tensor:
+    """[T, K] bool: the entries before topk_length[t] (all when None). Syncs the device.
+
+    Raises:
+        ValueError: a topk_length outside [0, K].
+    """
+    K = indices.shape[1]
+    if topk_length is None:
+        return torch.ones_like(indices, dtype=torch.bool)
+    bad = (topk_length < 0) | (topk_length > K)
+    if bool(bad.any()):
+        t = int(bad.nonzero()[0, 0])
+        raise ValueError(f"topk_length[{t}] = {int(topk_length[t])} is outside [0, K = {K}]")
+    return torch.arange(K, device=indices.device)[None, :] < topk_length[:, None]
+
+
 def check_contents(p: SparseMLAProblem) -> None:
     """The checked mode: reads tensor contents (syncs the device).
 
@@ -186,13 +202,7 @@ def check_contents(p: SparseMLAProblem) -> None:
     """
     T, K, N = p.num_tokens, p.topk, p.num_kv_rows
     idx = p.indices
-    counted = torch.ones_like(idx, dtype=torch.bool)
-    if p.topk_length is not None:
-        bad = (p.topk_length < 0) | (p.topk_length > K)
-        if bool(bad.any()):
-            t = int(bad.nonzero()[0, 0])
-            raise ValueError(f"topk_length[{t}] = {int(p.topk_length[t])} is outside [0, K = {K}]")
-        counted = torch.arange(K, device=idx.device)[None, :] < p.topk_length[:, None]
+    counted = counted_entries(idx, p.topk_length)
     oob = counted & (idx >= N)
     if bool(oob.any()):
         t, j = (int(v) for v in oob.nonzero()[0])

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..validation import flatten_kv
+from ..validation import counted_entries, flatten_kv
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -405,13 +405,7 @@ def check_layer_contents(p: DSAPrefillProblem) -> None:
     T, K = idx.shape
     if T == 0:
         return
-    counted = torch.ones_like(idx, dtype=torch.bool)
-    if p.topk_length is not None:
-        bad = (p.topk_length < 0) | (p.topk_length > K)
-        if bool(bad.any()):
-            t = int(bad.nonzero()[0, 0])
-            raise ValueError(f"topk_length[{t}] = {int(p.topk_length[t])} is outside [0, K = {K}]")
-        counted = torch.arange(K, device=idx.device)[None, :] < p.topk_length[:, None]
+    counted = counted_entries(idx, p.topk_length)
     lo, win = token_windows(p.step.new_lens, p.step.cached_lens, p.row_offsets, idx.device)
     rel = idx.long() - lo[:, None]
     inside = (rel >= 0) & (rel < win[:, None])

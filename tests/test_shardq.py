@@ -1,0 +1,426 @@
+"""ShardQ (token-sharded sparse MLA across TP ranks) and its zigzag split.
+
+Multi-process tests spawn W gloo ranks on the CPU (file rendezvous in tmp_path); each rank holds
+the TP head shard of q, calls ``shardq_sparse_mla_fwd`` and the gathered head shards are compared
+with one process running ``sparse_mla_fwd`` on all heads and with the fp32 ``sparse_mla_ref``.
+The workers always run the Triton kernels through the interpreter in fp16 (TRITON_INTERPRET=1 is
+put in the environment they inherit, before they import any kernel), also on a GPU machine: the
+NCCL path is exercised by scripts/bench_shardq.py (its --check).
+
+One spawn per world size runs the case table (starting W interpreters costs seconds; W = 4 runs
+the cases where the world size matters); a failure names the case and the rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from lib import DEVICE, DTYPE, INT_MAX, INT_MIN, TOLERANCE, assert_matches_reference, make_problem, rel_err
+
+from sparse_mla.distributed import (
+    shardq_sparse_mla_fwd,
+    tp_sparse_mla_fwd,
+    zigzag_chunks,
+    zigzag_inverse,
+    zigzag_partition,
+)
+from sparse_mla.reference import sparse_mla_ref
+
+D_QK, D_V = 576, 512
+WORKER_DTYPE = torch.float16  # the interpreter's bf16 tl.dot is wrong (tests/lib.py)
+SENTINELS = (-1, INT_MIN, None, INT_MAX)  # None = N, the first row past the cache
+
+# ---------------------------------------------------------------------------------------------
+# zigzag_partition
+# ---------------------------------------------------------------------------------------------
+
+ZIGZAG_SIZES = [(0, 1), (0, 3), (1, 1), (1, 2), (3, 2), (5, 4), (7, 4), (8, 2), (29, 2), (30, 4), (31, 8), (1000, 3),
+                (1027, 8), (4096, 16)]
+
+
+@pytest.mark.parametrize("T,W", ZIGZAG_SIZES, ids=[f"T{T}-W{W}" for T, W in ZIGZAG_SIZES])
+def test_zigzag_covers_every_row_once_and_inverts(T, W):
+    parts = zigzag_partition(T, W)
+    assert len(parts) == W
+    order = torch.cat(parts)
+    assert order.dtype == torch.int64
+    assert torch.equal(order.sort().values, torch.arange(T)), "every row exactly once"
+    for r, ((sa, la), (sb, lb)) in enumerate(zigzag_chunks(T, W)):
+        assert torch.equal(parts[r], torch.cat([torch.arange(sa, sa + la), torch.arange(sb, sb + lb)]))
+        assert torch.equal(parts[r], parts[r].sort().values), "a rank's rows ascend (chunk r before 2W - 1 - r)"
+    lengths = [n for pair in zigzag_chunks(T, W) for _, n in pair]
+    assert max(lengths) - min(lengths) <= 1, f"chunk sizes {lengths} differ by more than 1"
+    counts = [p.numel() for p in parts]
+    assert max(counts) - min(counts) <= 2
+    inv = zigzag_inverse(T, W)
+    assert torch.equal(order[inv], torch.arange(T))
+    x = torch.randn(T, 3)
+    assert torch.equal(x[order][inv], x), "inverse restores token order"
+
+
+def test_zigzag_balances_causal_work():
+    """cost(t) = t + 1 (dense causal / prefix shorter than topk): ranks differ by less than one
+    row's cost; a contiguous split would differ by about T^2 / W."""
+    for W in (2, 3, 4, 8):
+        for T in list(range(0, 300)) + [4095, 8192, 65537]:
+            costs = [float((p + 1).sum()) for p in zigzag_partition(T, W)]
+            assert max(costs) - min(costs) <= T + 1, (T, W, costs)
+    # The contiguous split is what zigzag avoids: the bound above must be able to fail.
+    T, W = 4096, 4
+    contiguous = [float((torch.arange(r * T // W, (r + 1) * T // W) + 1).sum()) for r in range(W)]
+    assert max(contiguous) - min(contiguous) > 100 * (T + 1)
+
+
+def test_zigzag_topk_capped_work_within_documented_bound():
+    """cost(t) = min(t + 1, topk): imbalance at most ~topk^2 / 2 + 2 * topk (module docstring)."""
+    for T, W, K in [(8192, 2, 2048), (65536, 2, 2048), (20000, 8, 2048), (300, 4, 40)]:
+        costs = [float(torch.clamp(p + 1, max=K).sum()) for p in zigzag_partition(T, W)]
+        assert max(costs) - min(costs) <= K * K / 2 + 2 * K, (T, W, K, costs)
+
+
+@pytest.mark.parametrize("args,exc", [((-1, 2), ValueError), ((4, 0), ValueError), ((4.0, 2), TypeError),
+                                      ((4, True), TypeError)], ids=["neg-T", "W0", "float-T", "bool-W"])
+def test_zigzag_rejects_bad_sizes(args, exc):
+    with pytest.raises(exc, match="num_tokens|world_size"):
+        zigzag_partition(*args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Problems: several requests with cached prefixes, request-local causal top-k through a block table
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    requests: tuple[tuple[int, int], ...]  # (cached, new) per request
+    heads: int = 16
+    topk: int = 40
+    method: str = "per_token"
+    min_tokens: int = 1
+    pad_rows: int = 0  # CUDA-graph padding rows after the real ones
+    use_topk_length: bool = False
+    paged: bool = False
+    return_lse: bool = True
+    noise: float = 3.0  # per-query score noise: large = little neighbour overlap
+    world_sizes: tuple[int, ...] = (2, 4)  # W = 4 runs 4 interpreters on few cores: only where W matters
+
+    @property
+    def num_real(self) -> int:
+        return sum(n for _, n in self.requests)
+
+
+def build_problem(case: Case, seed: int = 0):
+    """q [T, H, 576], kv [N, 576] (or paged [N / 8, 8, 576]), indices [T, K] int32, topk_length
+    [T] int32 or None; CPU fp16, the same on every rank (seeded).
+
+    Each request's context (cached + new positions) sits at random global rows (a block table); a
+    query at position p picks the top-k positions in [0, p] by a per-key score plus per-query
+    noise (small noise = neighbours share rows, as a real indexer does). Slots past the valid
+    count hold the invalid sentinels -1, INT_MIN, N, INT_MAX, or, with topk_length, valid-looking
+    rows that must be ignored; one query gets topk_length 0.
+    """
+    g = torch.Generator().manual_seed(seed)
+    K = case.topk
+    ctx = [c + n for c, n in case.requests]
+    N = -(-(sum(ctx) + 9) // 8) * 8
+    T = case.num_real + case.pad_rows
+    perm = torch.randperm(N, generator=g)
+    idx_rows, lengths, base = [], [], 0
+    for (cached, new), L in zip(case.requests, ctx):
+        block_table = perm[base:base + L]
+        base += L
+        score = torch.rand(L, generator=g)
+        for i in range(new):
+            pos = cached + i
+            s = score[: pos + 1] + case.noise * torch.rand(pos + 1, generator=g)
+            cnt = min(K, pos + 1)
+            picked = block_table[s.topk(cnt).indices]
+            row = torch.empty(K, dtype=torch.int64)
+            row[:cnt] = picked
+            for j in range(cnt, K):
+                sentinel = SENTINELS[j % 4]
+                row[j] = N if sentinel is None else sentinel
+            if case.use_topk_length:
+                past = torch.arange(cnt, K)
+                row[cnt:] = torch.where(past % 5 == 4, perm[past % N], row[cnt:])  # must be ignored
+            else:
+                row = row[torch.randperm(K, generator=g)]  # padding anywhere in the row
+            idx_rows.append(row)
+            lengths.append(cnt)
+    for _ in range(case.pad_rows):  # padding rows: garbage that must never be read
+        idx_rows.append(torch.randint(0, N, (K,), generator=g))
+        lengths.append(K)
+    indices = torch.stack(idx_rows).to(torch.int32)
+    topk_length = None
+    if case.use_topk_length:
+        topk_length = torch.tensor(lengths, dtype=torch.int32)
+        topk_length[case.num_real // 2] = 0  # a query with no valid row
+    q = torch.randn(T, case.heads, D_QK, generator=g).to(WORKER_DTYPE)
+    kv = torch.randn(N, D_QK, generator=g).to(WORKER_DTYPE)
+    if case.paged:
+        kv = kv.view(N // 8, 8, D_QK)
+    return q, kv, indices, topk_length, D_QK**-0.5
+
+
+WORKER_CASES = [
+    Case("one_request_odd_T", ((0, 23),), return_lse=False, world_sizes=(2,)),
+    Case("requests_cross_chunks_sentinels_topk_length_paged", ((20, 5), (0, 7), (50, 1), (5, 8)),
+         use_topk_length=True, paged=True),
+    Case("cuda_graph_padding_rows", ((3, 6), (30, 9)), pad_rows=7),
+    Case("below_min_tokens_runs_tp", ((10, 12),), min_tokens=1024, pad_rows=3, world_sizes=(2,)),
+    Case("fewer_rows_than_chunks", ((40, 3),)),
+    Case("grouped_token_major_across_requests", ((0, 7), (12, 11)), method="grouped", topk=32, noise=0.3,
+         use_topk_length=True),
+]
+
+
+def _spy(calls: list):
+    """attn_fn that records what it was handed, poisons the output buffers it must write with NaN,
+    then runs sparse_mla_fwd into them."""
+    from sparse_mla.interface import sparse_mla_fwd
+
+    def attn_fn(q, kv, indices, sm_scale, **kwargs):
+        calls.append(dict(q=q.clone(), indices=indices.clone(), **kwargs))
+        assert kwargs["out"].shape == (*q.shape[:2], D_V)
+        kwargs["out"].fill_(float("nan"))
+        if kwargs["lse"] is not None:
+            kwargs["lse"].fill_(float("nan"))
+        return sparse_mla_fwd(q, kv, indices, sm_scale, **kwargs)
+
+    return attn_fn
+
+
+def _assert_groups_below_overlap_guard(indices: torch.Tensor, topk_length: torch.Tensor | None, H: int, N: int) -> None:
+    """The grouped case must really run grouped: every token-major group of G = 128 // H rows has a
+    union (torch.unique) under the overlap guard, so no group falls back to per token."""
+    from sparse_mla.selection import overlap_guard_ratio
+    from sparse_mla.workspace import default_group_size
+
+    G = default_group_size(H)
+    K = indices.shape[1]
+    valid = (indices >= 0) & (indices < N)
+    if topk_length is not None:
+        valid &= torch.arange(K)[None, :] < topk_length[:, None]
+    for g0 in range(0, indices.shape[0], G):
+        v, rows = valid[g0:g0 + G], indices[g0:g0 + G]
+        union = torch.unique(rows[v]).numel()
+        mean = v.sum().item() / v.shape[0]
+        assert union <= overlap_guard_ratio(G) * max(mean, 1.0), f"group at row {g0}: union {union}, mean list {mean}"
+
+
+def _run_case(case: Case, rank: int, W: int) -> None:
+    from sparse_mla.interface import sparse_mla_fwd
+
+    q, kv, indices, topk_length, scale = build_problem(case)
+    T, H, _ = q.shape
+    Hl, n = H // W, case.num_real
+    heads = slice(rank * Hl, (rank + 1) * Hl)
+    q_local = q[:, heads]  # a strided view, as a TP rank's slice may be
+    out = torch.full((T, Hl, D_V), float("nan"), dtype=WORKER_DTYPE)
+    lse = torch.full((T, Hl), float("nan")) if case.return_lse else None
+    calls, timings, info = [], {}, {}
+    res = shardq_sparse_mla_fwd(
+        q_local, kv, indices, scale, topk_length=topk_length, return_lse=case.return_lse, method=case.method,
+        min_tokens=case.min_tokens, num_real_tokens=n if case.pad_rows else None, attn_fn=_spy(calls),
+        out=out, lse=lse, timings=timings, info=info,
+    )
+    if case.return_lse:
+        assert res[0] is out and res[1] is lse
+    else:
+        assert res is out
+    gathered = [torch.empty_like(out) for _ in range(W)]
+    dist.all_gather(gathered, out)
+    full_out = torch.cat(gathered, dim=1)
+    full_lse = None
+    if case.return_lse:
+        gl = [torch.empty_like(lse) for _ in range(W)]
+        dist.all_gather(gl, lse)
+        full_lse = torch.cat(gl, dim=1)
+
+    # Which path, and exactly what the attention was handed.
+    shardq = W > 1 and n >= case.min_tokens and n > 0
+    assert info["path"] == ("shardq" if shardq else "tp"), info
+    assert timings["path"] == info["path"] and all(timings[k] >= 0 for k in
+                                                   ("exchange_q_ms", "attention_ms", "exchange_out_ms", "total_ms"))
+    mine = zigzag_partition(n, W)[rank] if shardq else torch.arange(n)
+    if mine.numel() == 0:
+        assert calls == [], "a rank without rows must not call the attention"
+    else:
+        (call,) = calls
+        expect_q = q[mine] if shardq else q[:n, heads]
+        assert torch.equal(call["q"], expect_q), "the exchanged q must be exactly this rank's rows, all heads"
+        assert torch.equal(call["indices"], indices[mine])
+        assert call["method"] == case.method and call["return_lse"] == case.return_lse
+        if topk_length is None:
+            assert call["topk_length"] is None
+        else:
+            assert torch.equal(call["topk_length"], topk_length[mine])
+    assert info["rank_rows"] == mine.numel()
+    if case.method == "grouped" and mine.numel() > 0:
+        _assert_groups_below_overlap_guard(indices[mine], None if topk_length is None else topk_length[mine], H,
+                                          kv.shape[0] * (kv.shape[1] if kv.dim() == 3 else 1))
+
+    # Padding rows: never computed, out 0, lse -inf.
+    assert torch.all(out[n:] == 0), "padding rows must be 0"
+    if case.return_lse:
+        assert torch.all(lse[n:] == float("-inf")), "padding rows must have lse -inf"
+
+    # This rank's shard against the fp32 reference on its heads.
+    ref_out, ref_lse = sparse_mla_ref(q[:n, heads], kv, indices[:n], scale,
+                                      topk_length=None if topk_length is None else topk_length[:n])
+    assert_matches_reference(out[:n], lse[:n] if case.return_lse else None, ref_out, ref_lse, WORKER_DTYPE)
+
+    # All shards against one process running every head.
+    if rank == 0:
+        single = sparse_mla_fwd(q[:n], kv, indices[:n], scale, topk_length=None if topk_length is None else topk_length[:n],
+                                return_lse=True, method=case.method)
+        if case.method == "per_token":  # same tile per query either way: bitwise equal
+            assert torch.equal(full_out[:n], single[0]), f"max diff {(full_out[:n].float() - single[0].float()).abs().max()}"
+            if case.return_lse:
+                assert torch.equal(full_lse[:n], single[1])
+        else:  # different groups, same per-query result up to fp32 summation order
+            assert rel_err(full_out[:n], single[0]) < TOLERANCE[WORKER_DTYPE]
+            assert torch.equal(torch.isinf(full_lse[:n]), torch.isinf(single[1]))
+        full_ref, full_ref_lse = sparse_mla_ref(q[:n], kv, indices[:n], scale,
+                                                topk_length=None if topk_length is None else topk_length[:n])
+        assert_matches_reference(full_out[:n], full_lse[:n] if case.return_lse else None, full_ref, full_ref_lse,
+                                 WORKER_DTYPE)
+
+
+def _check_bad_input(rank: int, W: int) -> None:
+    """Bad arguments raise on every rank before any communication (no rank is left hanging); a
+    step with no real rows returns zeros / -inf without communicating."""
+    case = WORKER_CASES[0]
+    q, kv, indices, _, scale = build_problem(case)
+    T = q.shape[0]
+    q_local = q[:, : q.shape[1] // W]
+    bad = [
+        (dict(q_local=q_local[0]), ValueError, "q must be"),
+        (dict(indices=indices[:-1]), ValueError, "indices must be"),
+        (dict(indices=indices.long()), TypeError, "indices must be int32"),
+        (dict(kv=kv.float()), TypeError, "kv must have the dtype"),
+        (dict(topk_length=torch.zeros(T - 1, dtype=torch.int32)), ValueError, "topk_length must be"),
+        (dict(num_real_tokens=T + 1), ValueError, "num_real_tokens"),
+        (dict(num_real_tokens=-1), ValueError, "num_real_tokens"),
+        (dict(num_real_tokens=torch.tensor(3)), TypeError, "num_real_tokens"),
+        (dict(min_tokens=-5), ValueError, "min_tokens"),
+        (dict(min_tokens=1.5), TypeError, "min_tokens"),
+        (dict(out=torch.empty(T, 3, D_V, dtype=WORKER_DTYPE)), ValueError, "out must be"),
+        (dict(lse=torch.empty(T, q_local.shape[1]), return_lse=False), ValueError, "lse"),
+        (dict(sm_scale=float("nan")), ValueError, "sm_scale"),
+    ]
+    for change, exc, msg in bad:
+        kwargs = dict(q_local=q_local, kv=kv, indices=indices, sm_scale=scale, min_tokens=1)
+        kwargs.update(change)
+        args = [kwargs.pop(k) for k in ("q_local", "kv", "indices", "sm_scale")]
+        with pytest.raises(exc, match=msg):
+            shardq_sparse_mla_fwd(*args, **kwargs)
+    # A step of padding rows only: nothing to exchange or compute, zeros / -inf everywhere.
+    info = {}
+    out, lse = shardq_sparse_mla_fwd(q_local, kv, indices, scale, return_lse=True, min_tokens=0, num_real_tokens=0,
+                                     info=info)
+    assert info["path"] == "tp" and info["reason"] == "no real rows"
+    assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+    dist.barrier()  # every rank got here without a collective in between
+
+
+def _worker(rank: int, world_size: int, init_file: str, case_ids: list[str], check_bad_input: bool) -> None:
+    # The kernels read TRITON_INTERPRET when first imported; this process has imported none yet.
+    assert os.environ.get("TRITON_INTERPRET") == "1", "spawned workers must inherit TRITON_INTERPRET=1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        if check_bad_input:
+            _check_bad_input(rank, world_size)
+        for case in WORKER_CASES:
+            if case.id in case_ids:
+                try:
+                    _run_case(case, rank, world_size)
+                except Exception as e:
+                    raise AssertionError(f"case {case.id!r} failed on rank {rank} of {world_size}: {e}") from e
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world_size: int, tmp_path, case_ids: list[str], check_bad_input: bool, timeout_s: float = 240.0) -> None:
+    ctx = mp.start_processes(_worker, args=(world_size, str(tmp_path / "rendezvous"), case_ids, check_bad_input),
+                             nprocs=world_size, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1.0):  # raises ProcessRaisedException with the worker's traceback
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.terminate()
+            pytest.fail(f"ShardQ workers (W = {world_size}) did not finish within {timeout_s} s (a collective hung?)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4], ids=["W2", "W4"])
+def test_shardq_matches_single_process_and_reference(world_size, tmp_path, monkeypatch):
+    """Every WORKER_CASES case on W gloo ranks: path choice, exact exchange, padding rows, fp32
+    reference per rank, bitwise equality with one process on all heads (per_token)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # inherited by the spawned workers
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # W processes share few cores
+        monkeypatch.setenv(var, "1")
+    _spawn(world_size, tmp_path, [c.id for c in WORKER_CASES if world_size in c.world_sizes],
+           check_bad_input=world_size == 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process: W = 1 and the TP baseline (no communication; current device / dtype)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_shardq_world_size_1_is_local_and_tp_baseline_matches(tmp_path):
+    T, H, K, N, pad = 13, 8, 24, 96, 4
+    p = make_problem(T, H, K, N, seed=3)
+    n = T - pad
+    with pytest.raises(RuntimeError, match="initialized"):
+        shardq_sparse_mla_fwd(p.q, p.kv, p.indices, p.sm_scale)
+    ref_out, ref_lse = sparse_mla_ref(p.q[:n], p.kv, p.indices[:n], p.sm_scale)
+
+    out_tp, lse_tp = torch.full((T, H, D_V), float("nan"), dtype=DTYPE, device=DEVICE), None
+    timings = {}
+    out_tp, lse_tp = tp_sparse_mla_fwd(p.q, p.kv, p.indices, p.sm_scale, return_lse=True, num_real_tokens=n,
+                                       out=out_tp, timings=timings)
+    assert timings["path"] == "tp" and timings["exchange_q_ms"] == 0.0 and timings["attention_ms"] >= 0
+    assert_matches_reference(out_tp[:n], lse_tp[:n], ref_out, ref_lse, DTYPE)
+    assert torch.all(out_tp[n:] == 0) and torch.all(lse_tp[n:] == float("-inf"))
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        info = {}
+        out, lse = shardq_sparse_mla_fwd(p.q, p.kv, p.indices, p.sm_scale, return_lse=True, min_tokens=1,
+                                         num_real_tokens=n, info=info)
+    finally:
+        dist.destroy_process_group()
+    assert info["path"] == "tp" and "world size 1" in info["reason"]
+    assert torch.equal(out, out_tp) and torch.equal(lse, lse_tp)
+
+
+def test_tp_baseline_all_padding_rows():
+    """num_real_tokens = 0: nothing computed, all zeros / -inf, no NaN left."""
+    p = make_problem(5, 4, 16, 64, seed=4)
+    out, lse = tp_sparse_mla_fwd(p.q, p.kv, p.indices, p.sm_scale, return_lse=True, num_real_tokens=0,
+                                 out=torch.full((5, 4, D_V), float("nan"), dtype=DTYPE, device=DEVICE))
+    assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+
+
+def test_build_problem_is_adversarial():
+    """The worker problems contain what they claim: sentinels, padding rows, an empty query."""
+    case = replace(WORKER_CASES[1], pad_rows=2)
+    q, kv, indices, topk_length, _ = build_problem(case)
+    N = kv.shape[0] * kv.shape[1]
+    for s in (-1, INT_MIN, N, INT_MAX):
+        assert (indices == s).any(), f"sentinel {s} missing"
+    assert (topk_length == 0).any()
+    assert q.shape[0] == case.num_real + 2
