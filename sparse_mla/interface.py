@@ -203,10 +203,12 @@ def build_group_union(
         build_union(indices, topk_length, N, group_size, gs, gl, ws.route[:T], ws.union_tables,
                     ws.union_table_bits, rows, bits, ul)
     # The kernel's union is unsorted; this inspection API returns it sorted, -1 / 0 after the end.
+    # Stable sort: the union occupies the first union_len slots, so a real row 2**31 - 1 sorts
+    # before the empty slots that carry the same key.
     in_union = torch.arange(rows.shape[1], device=rows.device)[None, :] < ul[:, None].long()
-    keys, order = torch.where(in_union, rows, torch.iinfo(torch.int32).max).sort(dim=1)
+    keys, order = torch.where(in_union, rows, torch.iinfo(torch.int32).max).sort(dim=1, stable=True)
     member = torch.where(in_union, bits, 0).gather(1, order)
-    rows = torch.where(keys == torch.iinfo(torch.int32).max, -1, keys)
+    rows = torch.where(in_union, keys, -1)
     return GroupUnion(rows, member, ul, group_size)
 
 

@@ -1,0 +1,262 @@
+"""The top-k union builder (``build_group_union``) and the group planner against plain-Python sets.
+
+Reference: group g holds queries g*G .. g*G + G - 1 (the last group may be short); a query's list is
+its entries before topk_length that lie in [0, N); the union is the sorted set of those rows and a
+row's membership word has bit i set iff the row is in query i's list. Also checked: -1 rows and 0
+bits after ``lengths``, rows up to the int32 limit, rows chosen to collide in the builder's hash
+table (long probe chains that wrap around the table end and spill past one probe chunk), and
+``plan_groups``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from lib import (
+    DEVICE,
+    INT_MAX,
+    INT_MIN,
+    adversarial_indices,
+    colliding_rows,
+    cu_seqlens,
+    garbage_topk_length,
+    neighbour_rows,
+)
+
+from sparse_mla import build_group_union
+from sparse_mla.kernels.union import hash_table_slots, plan_groups
+
+
+def union_reference(indices: torch.Tensor, G: int, topk_length: torch.Tensor | None, N: int):
+    """Per group: (sorted union rows, membership words), from Python sets."""
+    T, K = indices.shape
+    rows = indices.tolist()
+    lengths = [K] * T if topk_length is None else [max(0, min(K, int(n))) for n in topk_length.tolist()]
+    sets = [{r for r in rows[t][: lengths[t]] if 0 <= r < N} for t in range(T)]
+    groups = []
+    for g0 in range(0, T, G):
+        members = sets[g0:g0 + G]
+        union = sorted(set().union(*members))
+        bits = [sum(1 << i for i, m in enumerate(members) if r in m) for r in union]
+        groups.append((union, bits))
+    return groups
+
+
+def check_union(indices: torch.Tensor, G: int, *, topk_length: torch.Tensor | None = None,
+                num_kv_rows: int | None = None) -> list[tuple[list[int], list[int]]]:
+    """Run ``build_group_union`` and compare every output element to ``union_reference``."""
+    T = indices.shape[0]
+    K = indices.shape[-1]
+    u = build_group_union(indices.to(DEVICE), G, topk_length=None if topk_length is None else topk_length.to(DEVICE),
+                          num_kv_rows=num_kv_rows)
+    n_groups = -(-T // G)
+    assert u.group_size == G
+    assert u.rows.shape == (n_groups, G * K) and u.member_mask.shape == (n_groups, G * K)
+    assert u.lengths.shape == (n_groups,)
+    assert u.rows.dtype == u.member_mask.dtype == u.lengths.dtype == torch.int32
+    N = 2**31 - 1 if num_kv_rows is None else num_kv_rows
+    expected = union_reference(indices.reshape(T, K).cpu(), G, topk_length, N)
+    rows, bits, lengths = u.rows.cpu(), u.member_mask.cpu(), u.lengths.cpu()
+    for g, (urows, ubits) in enumerate(expected):
+        n = len(urows)
+        assert int(lengths[g]) == n, f"group {g}: length {int(lengths[g])} != {n}"
+        got = rows[g, :n]
+        assert got.tolist() == urows, f"group {g}: union rows differ"
+        assert bool((got[1:] > got[:-1]).all()), f"group {g}: rows not strictly ascending"
+        assert bits[g, :n].tolist() == ubits, f"group {g}: membership bits differ"
+        assert bool((rows[g, n:] == -1).all()), f"group {g}: rows after lengths must be -1"
+        assert bool((bits[g, n:] == 0).all()), f"group {g}: member_mask after lengths must be 0"
+        n_members = min(G, T - g * G)
+        assert all(b >> n_members == 0 for b in ubits)  # a short group's missing queries have no bits
+    return expected
+
+
+# (G, T, K, N, list kind, padded, topk_length). T is chosen so most groups' last group is short.
+CASES = [
+    pytest.param(1, 5, 12, 100, "neighbour", True, False, id="G1-padded"),
+    pytest.param(2, 7, 12, 100, "disjoint", True, False, id="G2-T7-short-last-disjoint-padded"),
+    pytest.param(4, 10, 12, 100, "identical", False, False, id="G4-T10-identical"),
+    pytest.param(8, 13, 12, 100, "neighbour", False, True, id="G8-T13-topklen-garbage"),
+    pytest.param(16, 20, 12, 300, "neighbour", True, False, id="G16-T20-padded"),
+    pytest.param(8, 3, 12, 100, "disjoint", False, False, id="G8-T3-single-short-group"),
+    pytest.param(5, 12, 10, 100, "neighbour", True, True, id="G5-nonpow2-padded-topklen"),
+    pytest.param(16, 16, 12, 300, "all_invalid", False, False, id="G16-all-invalid"),
+]
+
+
+def _lists(kind: str, T: int, K: int, N: int, g: torch.Generator) -> torch.Tensor:
+    if kind == "neighbour":
+        return neighbour_rows(T, K, N, keep=0.6, generator=g)
+    if kind == "disjoint":
+        return torch.randperm(N, generator=g)[: T * K].view(T, K).to(torch.int32)
+    if kind == "identical":
+        return torch.randperm(N, generator=g)[:K].to(torch.int32).expand(T, K)
+    if kind == "all_invalid":
+        return adversarial_indices(T, K, N, patterns=("all_invalid",))
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("G, T, K, N, kind, padded, with_topk_length", CASES)
+def test_union_matches_sets(G, T, K, N, kind, padded, with_topk_length):
+    g = torch.Generator().manual_seed(G * 100 + T)
+    idx = _lists(kind, T, K, N, g)
+    if padded:
+        idx = adversarial_indices(T, K, N, base=idx, generator=g)
+    topk_length = None
+    if with_topk_length:
+        idx, topk_length = garbage_topk_length(idx.contiguous(), N, generator=g)
+    expected = check_union(idx, G, topk_length=topk_length, num_kv_rows=N)
+    if kind == "identical":
+        assert all(len(r) == K and set(b) == {(1 << min(G, T - i * G)) - 1} for i, (r, b) in enumerate(expected))
+    if kind == "disjoint" and not padded:
+        assert all(len(r) == K * min(G, T - i * G) for i, (r, _) in enumerate(expected))
+    if kind == "all_invalid":
+        assert all(len(r) == 0 for r, _ in expected)
+
+
+@pytest.mark.parametrize("G, N", [
+    pytest.param(3, INT_MAX, id="G3-N-int32max"),
+    pytest.param(16, INT_MAX - 5, id="G16-N-just-below-int32max"),
+    pytest.param(8, 2**31, id="G8-N-2^31-every-int32-row-valid"),
+])
+def test_rows_near_the_int32_limit(G, N):
+    """Rows just below N (and N itself, N + 1 where it fits, INT_MAX, INT_MIN as padding) with N at or
+    past the int32 limit: no row may be lost, wrapped or taken for a sentinel."""
+    T, K = G + 1, 8  # a full group and a short one
+    g = torch.Generator().manual_seed(N % 1000)
+    top = (min(N, 2**31) - 2 - torch.randperm(3 * K, generator=g)).to(torch.int32)  # rows just below N - 1
+    idx = torch.empty(T, K, dtype=torch.int32)
+    for t in range(T):
+        near = top[torch.randperm(top.numel(), generator=g)[: K // 2]]
+        low = torch.randperm(50, generator=g)[: K - K // 2].to(torch.int32)
+        idx[t] = torch.cat([near, low])[torch.randperm(K, generator=g)]
+    last = min(N, 2**31) - 1  # the largest valid row (INT_MAX itself when N = 2**31)
+    idx[0, :3] = torch.tensor([last, -1, INT_MIN], dtype=torch.int32)
+    if N <= INT_MAX:
+        idx[1, 0] = N  # the first row past the cache is padding
+    if N < INT_MAX:
+        idx[-1, -1] = N + 1
+    idx[-1, 0] = INT_MAX
+    expected = check_union(idx, G, num_kv_rows=N)
+    assert expected[0][0][-1] == last, "the largest valid row must be in the union"
+
+
+def test_default_num_kv_rows_keeps_rows_up_to_int32_max():
+    """num_kv_rows=None: every non-negative int32 row below 2**31 - 1 is valid; INT_MAX is padding."""
+    idx = torch.tensor([[INT_MAX - 1, 0, INT_MAX, -1], [INT_MAX - 2, INT_MAX - 1, 5, INT_MIN]], dtype=torch.int32)
+    expected = check_union(idx, 2)
+    assert expected[0] == ([0, 5, INT_MAX - 2, INT_MAX - 1], [1, 2, 2, 3])
+
+
+@pytest.mark.parametrize("G, K, overlap", [
+    pytest.param(4, 12, False, id="G4-K12-disjoint-chain-of-48"),
+    pytest.param(4, 12, True, id="G4-K12-shared-pool-of-24"),
+    pytest.param(16, 20, False, id="G16-K20-disjoint-chain-of-320"),
+    pytest.param(16, 20, True, id="G16-K20-shared-pool-of-40"),
+])
+def test_hash_collisions(G, K, overlap):
+    """Every valid row hashes to the last slot of the builder's table (``lib.colliding_rows`` mirrors its
+    hash), so entries probe one long chain that wraps to slot 0 (320 slots for G = 16, K = 20).
+    ``overlap``: lists draw from a shared pool of colliding rows, so copies of one row meet in
+    different rounds. A short second group with padding too. The union must still be exact."""
+    log_s = hash_table_slots(G, K).bit_length() - 1
+    T = G + 2
+    pool_size = G * K if not overlap else 2 * K
+    pool = colliding_rows(pool_size, log_s, 2**log_s - 1, limit=600_000)
+    N = int(pool.max()) + 1
+    g = torch.Generator().manual_seed(G + K)
+    idx = torch.empty(T, K, dtype=torch.int32)
+    for t in range(T):
+        if overlap:
+            idx[t] = pool[torch.randperm(pool_size, generator=g)[:K]]
+        else:
+            idx[t] = pool[(t % G) * K:(t % G + 1) * K]
+    idx[G + 1, ::4] = -1
+    idx[G, 1] = N
+    expected = check_union(idx, G, num_kv_rows=N)
+    if not overlap:
+        assert len(expected[0][0]) == G * K
+
+
+def test_indices_layouts():
+    """[T, 1, K] (FlashMLA) and a row-strided [T, K] slice give the union of the plain [T, K] tensor."""
+    g = torch.Generator().manual_seed(3)
+    idx = adversarial_indices(9, 12, 80, base=neighbour_rows(9, 12, 80, 0.5, g), generator=g)
+    wide = torch.full((9, 20), 7, dtype=torch.int32)
+    wide[:, :12] = idx
+    check_union(wide[:, :12], 4, num_kv_rows=80)
+    check_union(idx[:, None, :], 4, num_kv_rows=80)
+
+
+def test_zero_tokens():
+    u = build_group_union(torch.zeros(0, 8, dtype=torch.int32, device=DEVICE), 4)
+    assert u.rows.shape == (0, 32) and u.member_mask.shape == (0, 32) and u.lengths.shape == (0,)
+
+
+_SENTINELS = [-1, INT_MIN, -7]
+
+
+@st.composite
+def _union_inputs(draw):
+    G = draw(st.sampled_from([1, 2, 3, 4]))
+    K = draw(st.integers(1, 8))
+    N = draw(st.integers(1, 40))
+    T = draw(st.integers(1, 9))
+    rows = []
+    for _ in range(T):
+        valid = draw(st.lists(st.integers(0, N - 1), unique=True, max_size=min(K, N)))
+        pad = draw(st.lists(st.sampled_from(_SENTINELS + [N, N + 3, INT_MAX]), min_size=K - len(valid), max_size=K - len(valid)))
+        rows.append(draw(st.permutations(valid + pad)))
+    lengths = draw(st.none() | st.lists(st.integers(-2, K + 2), min_size=T, max_size=T))
+    return G, N, torch.tensor(rows, dtype=torch.int32), None if lengths is None else torch.tensor(lengths, dtype=torch.int32)
+
+
+@settings(max_examples=12, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_union_inputs())
+def test_union_random_small(inputs):
+    """Random small problems (distinct valid rows per list, sentinels, lengths outside [0, K])."""
+    G, N, idx, topk_length = inputs
+    check_union(idx, G, topk_length=topk_length, num_kv_rows=N)
+
+
+def _plan_reference(lengths: list[int] | None, T: int, G: int):
+    starts, lens, route = [], [], [1] * T
+    spans = [(0, T)] if lengths is None else []
+    if lengths is not None:
+        s = 0
+        for n in lengths:
+            spans.append((s, s + n))
+            s += n
+    for a, b in spans:
+        n_full = (b - a) // G if lengths is not None else -(-(b - a) // G)
+        for j in range(n_full):
+            starts.append(a + j * G)
+            lens.append(min(G, b - a - j * G))
+            route[a + j * G: a + j * G + lens[-1]] = [0] * lens[-1]
+    return starts, lens, route
+
+
+@pytest.mark.parametrize("G, lengths, T", [
+    pytest.param(8, [3, 0, 19, 5, 8, 0, 1, 16], None, id="G8-requests-odd-and-empty"),
+    pytest.param(4, [int(x) for x in torch.randint(0, 11, (37,), generator=torch.Generator().manual_seed(1))], None,
+                 id="G4-37-random-requests"),
+    pytest.param(3, None, 23, id="G3-tokenmajor-short-tail"),
+    pytest.param(16, None, 16, id="G16-tokenmajor-exact"),
+])
+def test_plan_groups(G, lengths, T):
+    """Groups stay inside requests (remainders route per token) or run token-major with a short tail;
+    stale slots past the last group are cleared and stale routes overwritten."""
+    T = sum(lengths) if lengths is not None else T
+    starts, lens, route = _plan_reference(lengths, T, G)
+    max_groups = -(-T // G) + 2  # room for stale slots
+    gs = torch.full((max_groups,), 99, dtype=torch.int32, device=DEVICE)
+    gl = torch.full((max_groups,), 99, dtype=torch.int32, device=DEVICE)
+    rt = torch.full((T + 3,), 7, dtype=torch.int8, device=DEVICE)
+    n = max_groups if lengths is not None else -(-T // G)
+    plan_groups(T, G, cu_seqlens(lengths) if lengths is not None else None, gs[:n], gl[:n], rt[:T])
+    assert gs[: len(starts)].tolist() == starts and gl[: len(lens)].tolist() == lens
+    assert (gl[len(lens):n] == 0).all(), "group slots past the last group must have length 0"
+    assert rt[:T].tolist() == route and (rt[T:] == 7).all()
+

@@ -1,0 +1,267 @@
+"""Input validation of ``sparse_mla_fwd`` / ``build_group_union`` / ``sparse_mla_ref``: one test per error.
+
+Every bad input must raise a TypeError (wrong type or dtype) or ValueError (shape, layout, device,
+value) whose message names the argument, before any kernel launch: the ``no_launch`` fixture
+replaces every kernel launcher that ``sparse_mla.interface`` calls with one that fails the test.
+Device mismatch is tested with a ``meta`` tensor, so it needs no second device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from lib import DEVICE, DTYPE, INT_MAX
+
+import sparse_mla.interface as interface
+from sparse_mla import SparseMLAWorkspace, build_group_union, sparse_mla_fwd, sparse_mla_ref
+
+T, H, D, N, K = 3, 2, 576, 16, 4
+OTHER_DTYPE = torch.float16 if DTYPE == torch.bfloat16 else torch.bfloat16
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Every kernel launcher imported into sparse_mla.interface fails the test if called."""
+    def launched(*args, **kwargs):
+        raise AssertionError("a kernel was launched before the input error was raised")
+
+    patched = []
+    for name, obj in list(vars(interface).items()):
+        if callable(obj) and getattr(obj, "__module__", "").startswith("sparse_mla.kernels"):
+            monkeypatch.setattr(interface, name, launched)
+            patched.append(name)
+    assert "sparse_mqa_per_token" in patched and "sparse_mqa_grouped" in patched, patched
+    return patched
+
+
+def _args():
+    """A valid problem: q [T, H, D], kv [N, D], indices [T, K] with distinct rows, topk_length [T]."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(T, H, D, generator=g).to(DTYPE).to(DEVICE)
+    kv = torch.randn(N, D, generator=g).to(DTYPE).to(DEVICE)
+    idx = torch.stack([torch.randperm(N, generator=g)[:K] for _ in range(T)]).to(torch.int32).to(DEVICE)
+    return {"q": q, "kv": kv, "indices": idx, "sm_scale": D**-0.5}
+
+
+def _call(args, **kwargs):
+    a = dict(args)
+    return sparse_mla_fwd(a.pop("q"), a.pop("kv"), a.pop("indices"), a.pop("sm_scale"), **a, **kwargs)
+
+
+def _set(key, make):
+    """A case that replaces one argument with make(valid args)."""
+    return lambda a: {**a, key: make(a)}
+
+
+meta = torch.device("meta")
+
+# (mutation of the valid arguments, expected error, regex the message must match)
+CASES = [
+    # not a tensor
+    pytest.param(_set("q", lambda a: a["q"].cpu().numpy()), TypeError, r"\bq\b", id="q-not-a-tensor"),
+    pytest.param(_set("kv", lambda a: a["kv"].tolist()), TypeError, r"\bkv\b", id="kv-not-a-tensor"),
+    pytest.param(_set("indices", lambda a: a["indices"].tolist()), TypeError, r"\bindices\b", id="indices-not-a-tensor"),
+    pytest.param(_set("topk_length", lambda a: [K] * T), TypeError, "topk_length", id="topk_length-not-a-tensor"),
+    pytest.param(_set("cu_seqlens_q", lambda a: [0, T]), TypeError, "cu_seqlens_q", id="cu_seqlens_q-not-a-tensor"),
+    # dtypes
+    pytest.param(_set("q", lambda a: a["q"].float()), TypeError, r"\bq\b.*dtype", id="q-fp32"),
+    pytest.param(_set("q", lambda a: a["q"].to(torch.int32)), TypeError, r"\bq\b.*dtype", id="q-int32"),
+    pytest.param(_set("kv", lambda a: a["kv"].to(OTHER_DTYPE)), TypeError, r"\bkv\b.*dtype", id="kv-dtype-differs-from-q"),
+    pytest.param(_set("indices", lambda a: a["indices"].long()), TypeError, r"\bindices\b.*int32", id="indices-int64"),
+    pytest.param(_set("topk_length", lambda a: torch.full((T,), K, dtype=torch.int64, device=DEVICE)), TypeError,
+                 "topk_length.*int32", id="topk_length-int64"),
+    pytest.param(_set("cu_seqlens_q", lambda a: torch.tensor([0, T], device=DEVICE)), TypeError, "cu_seqlens_q.*int32",
+                 id="cu_seqlens_q-int64"),
+    # shapes
+    pytest.param(_set("q", lambda a: a["q"][0]), ValueError, r"\bq\b.*\[T, H, D_qk\]", id="q-2d"),
+    pytest.param(_set("q", lambda a: a["q"][:, :0]), ValueError, r"\bq\b.*head", id="q-zero-heads"),
+    pytest.param(lambda a: {**a, "q": a["q"][..., :128].contiguous(), "kv": a["kv"][:, :128].contiguous()}, ValueError,
+                 "D_qk", id="D_qk-128-unsupported"),
+    pytest.param(_set("kv", lambda a: a["kv"][:, :512].contiguous()), ValueError, r"\bkv\b.*D_qk", id="D_qk-q576-kv512"),
+    pytest.param(_set("kv", lambda a: a["kv"][0]), ValueError, r"\bkv\b", id="kv-1d"),
+    pytest.param(_set("kv", lambda a: a["kv"].reshape(2, 2, 4, D)), ValueError, r"\bkv\b", id="kv-4d"),
+    pytest.param(_set("kv", lambda a: a["kv"].reshape(2, 8, D)[:, :4]), ValueError, r"\bkv\b.*block",
+                 id="kv-paged-bad-block-stride"),
+    pytest.param(_set("indices", lambda a: torch.cat([a["indices"], a["indices"][:1]])), ValueError, r"\bindices\b.*T = 3",
+                 id="indices-T-mismatch"),
+    pytest.param(_set("indices", lambda a: a["indices"][:, None].expand(T, 2, K)), ValueError, r"\bindices\b",
+                 id="indices-T2K"),
+    pytest.param(_set("indices", lambda a: a["indices"][:, :0]), ValueError, r"\bindices\b.*K >= 1", id="indices-K0"),
+    pytest.param(_set("indices", lambda a: a["indices"][0]), ValueError, r"\bindices\b", id="indices-1d"),
+    pytest.param(_set("topk_length", lambda a: torch.full((T + 1,), K, dtype=torch.int32, device=DEVICE)), ValueError,
+                 "topk_length", id="topk_length-T-mismatch"),
+    pytest.param(_set("topk_length", lambda a: torch.full((T, 1), K, dtype=torch.int32, device=DEVICE)), ValueError,
+                 "topk_length", id="topk_length-2d"),
+    pytest.param(_set("cu_seqlens_q", lambda a: torch.tensor([0], dtype=torch.int32, device=DEVICE)), ValueError,
+                 "cu_seqlens_q", id="cu_seqlens_q-no-request"),
+    pytest.param(_set("cu_seqlens_q", lambda a: torch.tensor([[0, T]], dtype=torch.int32, device=DEVICE)), ValueError,
+                 "cu_seqlens_q", id="cu_seqlens_q-2d"),
+    pytest.param(_set("d_v", lambda a: 256), ValueError, r"\bd_v\b", id="d_v-256"),
+    # layouts (last dim must be contiguous)
+    pytest.param(_set("q", lambda a: torch.cat([a["q"], a["q"]], -1)[..., ::2]), ValueError, r"\bq\b.*contiguous",
+                 id="q-last-dim-strided"),
+    pytest.param(_set("kv", lambda a: torch.cat([a["kv"], a["kv"]], -1)[:, ::2]), ValueError, r"\bkv\b.*contiguous",
+                 id="kv-last-dim-strided"),
+    pytest.param(_set("indices", lambda a: torch.cat([a["indices"], a["indices"]], -1)[:, ::2]), ValueError,
+                 r"\bindices\b.*contiguous", id="indices-last-dim-strided"),
+    # devices (a meta tensor stands in for a second device)
+    pytest.param(_set("kv", lambda a: a["kv"].to(meta)), ValueError, r"\bkv\b.*meta", id="kv-other-device"),
+    pytest.param(_set("indices", lambda a: a["indices"].to(meta)), ValueError, r"\bindices\b.*meta", id="indices-other-device"),
+    pytest.param(_set("topk_length", lambda a: torch.full((T,), K, dtype=torch.int32, device=meta)), ValueError,
+                 "topk_length.*meta", id="topk_length-other-device"),
+    pytest.param(_set("cu_seqlens_q", lambda a: torch.tensor([0, T], dtype=torch.int32).to(meta)), ValueError,
+                 "cu_seqlens_q.*meta", id="cu_seqlens_q-other-device"),
+    # values
+    pytest.param(_set("sm_scale", lambda a: math.nan), ValueError, "sm_scale", id="sm_scale-nan"),
+    pytest.param(_set("sm_scale", lambda a: math.inf), ValueError, "sm_scale", id="sm_scale-inf"),
+    pytest.param(_set("sm_scale", lambda a: -math.inf), ValueError, "sm_scale", id="sm_scale-minus-inf"),
+    pytest.param(_set("method", lambda a: "flash"), ValueError, "method", id="method-unknown"),
+    pytest.param(_set("method", lambda a: "reference"), ValueError, "method", id="method-reference-not-a-kernel"),
+]
+
+
+@pytest.mark.parametrize("mutate, error, match", CASES)
+def test_bad_argument_raises_before_launch(mutate, error, match, no_launch):
+    with pytest.raises(error, match=match):
+        _call(mutate(_args()))
+
+
+# check=True reads the contents: (mutation, regex). Shapes and dtypes are valid.
+CHECKED_CASES = [
+    pytest.param(lambda a: {**a, "indices": _put(a["indices"], 1, 2, N)}, r"indices\[1, 2\] = 16 is out of range",
+                 id="row-equal-N"),
+    pytest.param(lambda a: {**a, "indices": _put(a["indices"], 2, 0, INT_MAX)}, r"indices\[2, 0\].*out of range",
+                 id="row-INT_MAX"),
+    pytest.param(lambda a: {**a, "indices": _put(a["indices"], 0, 3, int(a["indices"][0, 1]))}, r"indices\[0\].*more than once",
+                 id="duplicate-row"),
+    pytest.param(lambda a: {**a, "topk_length": torch.tensor([K, K + 1, 0], dtype=torch.int32, device=DEVICE)},
+                 r"topk_length\[1\] = 5", id="topk_length-above-K"),
+    pytest.param(lambda a: {**a, "topk_length": torch.tensor([K, 0, -1], dtype=torch.int32, device=DEVICE)},
+                 r"topk_length\[2\] = -1", id="topk_length-negative"),
+    pytest.param(lambda a: {**a, "cu_seqlens_q": torch.tensor([1, T], dtype=torch.int32, device=DEVICE)}, "cu_seqlens_q",
+                 id="cu_seqlens_q-not-from-0"),
+    pytest.param(lambda a: {**a, "cu_seqlens_q": torch.tensor([0, T - 1], dtype=torch.int32, device=DEVICE)}, "cu_seqlens_q",
+                 id="cu_seqlens_q-not-to-T"),
+    pytest.param(lambda a: {**a, "cu_seqlens_q": torch.tensor([0, 2, 1, T], dtype=torch.int32, device=DEVICE)},
+                 "cu_seqlens_q", id="cu_seqlens_q-decreasing"),
+]
+
+
+def _put(t: torch.Tensor, i: int, j: int, v: int) -> torch.Tensor:
+    t = t.clone()
+    t[i, j] = v
+    return t
+
+
+@pytest.mark.parametrize("method", ["per_token", "grouped"])
+@pytest.mark.parametrize("mutate, match", CHECKED_CASES)
+def test_checked_mode_raises_before_launch(mutate, match, method, no_launch):
+    with pytest.raises(ValueError, match=match):
+        _call(mutate(_args()), check=True, method=method)
+
+
+def test_checked_mode_accepts_padding_and_garbage_past_topk_length(no_launch):
+    """check=True must not flag what the definition calls padding: negative rows anywhere, and rows
+    >= N or repeats past topk_length (the patched launchers then fail the test, proving no raise)."""
+    a = _args()
+    idx = a["indices"].clone()
+    idx[0, 1] = -1
+    idx[1, 0] = -(2**31)
+    idx[2, 2:] = torch.tensor([N + 3, int(idx[2, 0])], dtype=torch.int32)  # past topk_length[2] = 2
+    a = {**a, "indices": idx, "topk_length": torch.tensor([K, K, 2], dtype=torch.int32, device=DEVICE)}
+    with pytest.raises(AssertionError, match="kernel was launched"):
+        _call(a, check=True, method="per_token")
+    # and the reference agrees that these are valid inputs
+    sparse_mla_ref(**a, check=True)
+
+
+@pytest.mark.parametrize("make, match", [
+    pytest.param(lambda: torch.empty(T, H + 1, 512, dtype=DTYPE, device=DEVICE), "out", id="out-wrong-shape"),
+    pytest.param(lambda: torch.empty(T, H, 512, dtype=torch.float32, device=DEVICE), "out", id="out-fp32"),
+    pytest.param(lambda: torch.empty(T, H, 1024, dtype=DTYPE, device=DEVICE)[..., ::2], "out", id="out-last-dim-strided"),
+    pytest.param(lambda: torch.empty(T, H, 512, dtype=DTYPE, device=meta), "out", id="out-other-device"),
+])
+def test_bad_out_buffer(make, match, no_launch):
+    with pytest.raises(ValueError, match=match):
+        _call(_args(), out=make(), method="per_token")
+
+
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda: torch.empty(T, H, dtype=DTYPE, device=DEVICE), id="lse-not-fp32"),
+    pytest.param(lambda: torch.empty(T, H + 1, dtype=torch.float32, device=DEVICE), id="lse-wrong-shape"),
+    pytest.param(lambda: torch.empty(H, T, dtype=torch.float32, device=DEVICE).t(), id="lse-transposed"),
+])
+def test_bad_lse_buffer(make, no_launch):
+    with pytest.raises(ValueError, match="lse"):
+        _call(_args(), lse=make(), return_lse=True, method="per_token")
+
+
+@pytest.mark.parametrize("group_size", [
+    pytest.param(0, id="0"), pytest.param(17, id="17"), pytest.param(128, id="G-times-H-over-128"),
+])
+def test_bad_group_size(group_size, no_launch):
+    with pytest.raises(ValueError, match="group_size"):
+        _call(_args(), method="grouped", group_size=group_size)
+
+
+@pytest.mark.parametrize("ws_args", [
+    pytest.param((T - 1, K, 16), id="too-few-tokens"),
+    pytest.param((T, K + 1, 16), id="other-topk"),
+    pytest.param((T, K, 8), id="other-group-size"),
+])
+def test_workspace_that_does_not_fit(ws_args, no_launch):
+    ws = SparseMLAWorkspace(ws_args[0], ws_args[1], ws_args[2], N, DEVICE)
+    with pytest.raises(ValueError, match="workspace"):
+        _call(_args(), method="grouped", workspace=ws)
+
+
+@pytest.mark.parametrize("kwargs", [
+    pytest.param({"max_tokens": 4, "topk": 4, "group_size": 0}, id="group_size-0"),
+    pytest.param({"max_tokens": 4, "topk": 4, "group_size": 17}, id="group_size-17"),
+    pytest.param({"max_tokens": 0, "topk": 4, "group_size": 8}, id="max_tokens-0"),
+    pytest.param({"max_tokens": 4, "topk": 0, "group_size": 8}, id="topk-0"),
+])
+def test_bad_workspace(kwargs):
+    with pytest.raises(ValueError, match="group_size|max_tokens|topk"):
+        SparseMLAWorkspace(max_kv_rows=N, device=DEVICE, **kwargs)
+
+
+def test_cpu_tensors_need_the_interpreter(monkeypatch, no_launch):
+    """CPU tensors without TRITON_INTERPRET=1 (on any machine) raise instead of launching."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    a = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in _args().items()}
+    with pytest.raises(ValueError, match="CUDA|TRITON_INTERPRET"):
+        _call(a, method="per_token")
+    with pytest.raises(ValueError, match="CUDA|TRITON_INTERPRET"):
+        build_group_union(a["indices"], 2)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    pytest.param(lambda i: build_group_union(i.long(), 2), TypeError, "indices", id="indices-int64"),
+    pytest.param(lambda i: build_group_union(i.tolist(), 2), TypeError, "indices", id="indices-not-a-tensor"),
+    pytest.param(lambda i: build_group_union(i[0], 2), ValueError, "indices", id="indices-1d"),
+    pytest.param(lambda i: build_group_union(i[:, None].expand(T, 2, K), 2), ValueError, "indices", id="indices-T2K"),
+    pytest.param(lambda i: build_group_union(i, 0), ValueError, "group_size", id="group_size-0"),
+    pytest.param(lambda i: build_group_union(i, 17), ValueError, "group_size", id="group_size-17"),
+    pytest.param(lambda i: build_group_union(i, 2.0), ValueError, "group_size", id="group_size-float"),
+    pytest.param(lambda i: build_group_union(i, 2, topk_length=torch.full((T,), 2, device=i.device)), TypeError,
+                 "topk_length", id="topk_length-int64"),
+    pytest.param(lambda i: build_group_union(i, 2, topk_length=torch.full((T + 1,), 2, dtype=torch.int32, device=i.device)),
+                 ValueError, "topk_length", id="topk_length-wrong-shape"),
+])
+def test_build_group_union_bad_arguments(call, error, match, no_launch):
+    with pytest.raises(error, match=match):
+        call(_args()["indices"])
+
+
+def test_reference_shares_the_checks():
+    """sparse_mla_ref validates like sparse_mla_fwd (it also accepts fp32 q / kv)."""
+    a = _args()
+    with pytest.raises(TypeError, match="indices"):
+        sparse_mla_ref(a["q"], a["kv"], a["indices"].long(), a["sm_scale"])
+    with pytest.raises(ValueError, match="indices"):
+        sparse_mla_ref(a["q"], a["kv"], _put(a["indices"], 0, 0, N), a["sm_scale"], check=True)
+    out, lse = sparse_mla_ref(a["q"].float(), a["kv"].float(), a["indices"], a["sm_scale"])
+    assert out.dtype == lse.dtype == torch.float32 and out.shape == (T, H, 512)
