@@ -36,8 +36,8 @@ def _sparse_mqa_fwd_kernel(
     HAS_PE: tl.constexpr, GROUP_HEADS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_V: tl.constexpr, D_PE: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    gid = tl.program_id(1)
+    gid = tl.program_id(0)  # token / group on grid axis 0 (up to 2**31 - 1; axis 1 stops at 65535)
+    pid_m = tl.program_id(1)
     if GROUPED:
         glen = tl.load(GROUP_LEN + gid)
         t0 = tl.load(GROUP_START + gid)
@@ -137,7 +137,7 @@ def sparse_mqa_per_token(
         return
     block_m = block_m_for_heads(H)
     block_n, warps, stages = _launch_config(block_m, config)
-    grid = (triton.cdiv(H, block_m), T)
+    grid = (T, triton.cdiv(H, block_m))
     dummy = indices
     _sparse_mqa_fwd_kernel[grid](
         q, kv, indices, topk_length if topk_length is not None else dummy, dummy, dummy, dummy, dummy, dummy,
@@ -171,7 +171,7 @@ def sparse_mqa_grouped(
     pseudo = group_size * H
     block_m = block_m or block_m_for_heads(pseudo)
     block_n, warps, stages = _launch_config(block_m, config)
-    grid = (triton.cdiv(pseudo, block_m), num_groups)
+    grid = (num_groups, triton.cdiv(pseudo, block_m))
     _sparse_mqa_fwd_kernel[grid](
         q, kv, union_rows, union_rows, union_rows, union_bits, union_len, group_start, group_len, group_len, out, lse,
         q.stride(0), q.stride(1), kv.stride(0), 0, union_rows.stride(0), out.stride(0), out.stride(1),
