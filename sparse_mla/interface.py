@@ -188,8 +188,10 @@ def build_group_union(
         raise ValueError(f"group_size must be an int in [1, {MAX_GROUP_SIZE}], got {group_size!r}")
     T, K = indices.shape
     if topk_length is not None:
-        if topk_length.dtype != torch.int32 or topk_length.shape != (T,):
-            raise TypeError(f"topk_length must be int32 [T] = [{T}], got {topk_length.dtype} {tuple(topk_length.shape)}")
+        if topk_length.dtype != torch.int32:
+            raise TypeError(f"topk_length must be int32 [T] = [{T}], got dtype {topk_length.dtype}")
+        if topk_length.shape != (T,):
+            raise ValueError(f"topk_length must be [T] = [{T}], got shape {tuple(topk_length.shape)}")
         topk_length = topk_length.contiguous()
     _require_kernel_device(indices)
     indices = indices.contiguous()

@@ -244,3 +244,52 @@ def colliding_rows(n: int, log_slots: int, slot: int, limit: int) -> torch.Tenso
     if hits.numel() < n:
         raise ValueError(f"only {hits.numel()} rows below {limit} hash to slot {slot}; raise limit")
     return hits[:n].to(torch.int32)
+
+
+def compact_reference(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
+                      topk_length: torch.Tensor | None = None):
+    """``sparse_mla_ref`` on a cache holding only the rows ``indices`` uses (valid ones remapped), so a
+    huge kv is never converted to fp32 as a whole. Same result as the reference on the full kv."""
+    from sparse_mla import sparse_mla_ref
+
+    N = kv.shape[0]
+    idx = indices.reshape(indices.shape[0], -1).long()
+    valid = (idx >= 0) & (idx < N)
+    used, inverse = torch.unique(torch.where(valid, idx, 0), return_inverse=True)
+    small = kv.reshape(N, -1)[used]
+    remapped = torch.where(valid, inverse, -1).to(torch.int32)
+    return sparse_mla_ref(q, small, remapped, sm_scale, topk_length=topk_length)
+
+
+# CUDA launch limits per grid dimension (x, y, z).
+CUDA_GRID_LIMITS = (2**31 - 1, 65535, 65535)
+
+
+def record_launch_grids(monkeypatch) -> list[tuple[str, tuple[int, ...]]]:
+    """Replace every Triton kernel (module globals named ``*_kernel``) of sparse_mla.kernels.sparse_mqa
+    and .union with a stub that records ``(name, grid)`` and runs nothing; returns the record list.
+    Lets a CPU test check the grids a huge problem would launch without executing it."""
+    import importlib
+
+    grids: list[tuple[str, tuple[int, ...]]] = []
+
+    class _Stub:
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            grids.append((self.name, tuple(grid)))
+            return lambda *args, **kwargs: None
+
+    for mod_name in ("sparse_mla.kernels.sparse_mqa", "sparse_mla.kernels.union"):
+        mod = importlib.import_module(mod_name)
+        for name in [n for n in vars(mod) if n.endswith("_kernel") and not n.startswith("__")]:
+            monkeypatch.setattr(mod, name, _Stub(name))
+    return grids
+
+
+def assert_grids_within_cuda_limits(grids) -> None:
+    assert grids, "no kernel was launched"
+    for name, grid in grids:
+        for dim, (n, limit) in enumerate(zip(grid, CUDA_GRID_LIMITS)):
+            assert 1 <= n <= limit, f"{name}: grid dim {dim} = {n} outside [1, {limit}] (CUDA launch fails)"

@@ -5,7 +5,8 @@ workspace we can inspect afterwards, so besides the outputs it checks *how* the 
 groups (never spanning requests when ``cu_seqlens_q`` is given, a short tail group token-major) and
 the overlap guard's per-group decision, recomputed here in plain Python from the lists. Outputs are
 NaN-poisoned views inside larger NaN buffers: a short group's padded pseudo-heads must not store past
-its rows. The interpreter's union sort is slow, so K stays <= 40 (a handful of groups per case).
+its rows. Sizes stay small (a handful of groups, K <= 70) for the CPU interpreter; the GPU-only tests
+at the end run past the CUDA grid limits.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from lib import (
     DEVICE,
     DTYPE,
     adversarial_indices,
+    assert_grids_within_cuda_limits,
     assert_matches_reference,
     assert_same_result,
     colliding_rows,
@@ -27,6 +29,7 @@ from lib import (
     make_problem,
     neighbour_rows,
     poisoned_views,
+    record_launch_grids,
     run_checked,
 )
 
@@ -54,10 +57,11 @@ class Case:
 
 
 CASES = [
-    pytest.param(Case(16, 70, [3, 0, 19, 5], padded=True), id="H16-cu-3,0,19,5-padded-guard"),
+    pytest.param(Case(16, 70, [3, 0, 19, 5], padded=True, topk_length=True), id="H16-cu-3,0,19,5-padded-topklen-guard"),
     pytest.param(Case(16, 70, None, T=19, guard=None, return_lse=False), id="H16-tokenmajor19-tail3-noguard-nolse"),
     pytest.param(Case(8, 40, None, T=21, topk_length=True, guard=None), id="H8-tokenmajor21-tail5-topklen-noguard"),
     pytest.param(Case(8, 40, [17, 4], padded=True, guard=0.0), id="H8-cu-17,4-guard-forced"),
+    pytest.param(Case(8, 40, None, T=5, padded=True, guard=None), id="H8-tokenmajor5-one-short-group"),
     pytest.param(Case(32, 70, [9, 0, 2, 6], lists="disjoint", guard=None), id="H32-cu-9,0,2,6-disjoint-noguard"),
     pytest.param(Case(32, 70, None, T=10, lists="mixed"), id="H32-tokenmajor10-mixed-overlap-guard"),
     pytest.param(Case(64, 70, [1, 6, 3], lists="identical", return_lse=False), id="H64-cu-1,6,3-identical"),
@@ -129,7 +133,9 @@ def _expected_guarded(plan, sets, ratio: float | None) -> list[bool]:
     for s, n in plan:
         members = sets[s:s + n]
         union, n_valid = set().union(*members), sum(len(m) for m in members)
-        res.append(len(union) * n > ratio * n_valid)
+        # in fp32, as the builder compares (so that exact ties decide the same way)
+        f32 = lambda x: torch.tensor(x, dtype=torch.float32)
+        res.append(bool(f32(len(union)) * f32(n) > f32(ratio) * f32(n_valid)))
     return res
 
 
@@ -301,3 +307,46 @@ def test_grouped_zero_tokens():
     out, lse = sparse_mla_fwd(p.q, p.kv, p.indices, p.sm_scale, return_lse=True, method="grouped",
                               cu_seqlens_q=cu_seqlens([0]))
     assert out.shape == (0, 16, 512) and lse.shape == (0, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="sizes past the CUDA grid's y limit need a GPU")
+def test_grouped_many_tokens():
+    """T past the CUDA grid's y limit (65535) in the grouped path: 8K+ groups and per-token remainders
+    (request lengths not multiples of G) must all be computed."""
+    H, K, N = 16, 32, 8192
+    lengths = [3, 65536 + 6, 5]
+    T = sum(lengths)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    q = torch.randn(T, H, 576, device=DEVICE, generator=g).to(DTYPE)
+    kv = torch.randn(N, 576, device=DEVICE, generator=g).to(DTYPE)
+    base = torch.randint(0, N - 64, (T, 1), device=DEVICE, generator=g, dtype=torch.int32)
+    idx = base + torch.arange(0, 2 * K, 2, device=DEVICE, dtype=torch.int32)  # distinct, overlapping neighbours
+    out_big, lse_big, out, lse = poisoned_views(T, H, pad_tokens=8)
+    sparse_mla_fwd(q, kv, idx, 576**-0.5, return_lse=True, method="grouped", cu_seqlens_q=cu_seqlens(lengths),
+                   overlap_guard=None, out=out, lse=lse)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "some tokens were not computed"
+    assert torch.isnan(out_big[T:]).all()
+    for sl in (slice(0, 16), slice(T - 16, T), slice(40000, 40016)):
+        ref_out, ref_lse = sparse_mla_ref(q[sl], kv, idx[sl], 576**-0.5)
+        assert_matches_reference(out[sl], lse[sl], ref_out, ref_lse, DTYPE)
+
+
+@pytest.mark.parametrize("T, cu", [
+    pytest.param(65536 + 5, False, id="T65541-per-token-remainder-launch"),
+    pytest.param(65536 + 5, True, id="T65541-requests"),
+    pytest.param(8 * 65536 + 8, False, id="65537-groups"),
+])
+def test_launch_grids_within_cuda_limits(T, cu, monkeypatch):
+    """Every grid of a grouped call (planner, union builder, grouped and per-token attention) must fit
+    CUDA's limits (y and z <= 65535) for any T: checked on the CPU by recording the launches instead of
+    running them (test_grouped_many_tokens runs such a call on a GPU)."""
+    grids = record_launch_grids(monkeypatch)
+    H = 16
+    q = torch.zeros(1, H, 512, dtype=DTYPE, device=DEVICE).expand(T, H, 512)  # stride-0 rows: no memory
+    out = torch.empty(1, H, 512, dtype=DTYPE, device=DEVICE).expand(T, H, 512)
+    kv = torch.zeros(8, 512, dtype=DTYPE, device=DEVICE)
+    idx = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE).expand(T, 1)
+    cu_seqlens_q = cu_seqlens([3, T - 8, 5]) if cu else None
+    sparse_mla_fwd(q, kv, idx, 1.0, method="grouped", cu_seqlens_q=cu_seqlens_q, out=out)
+    assert_grids_within_cuda_limits(grids)

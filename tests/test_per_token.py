@@ -16,10 +16,13 @@ from lib import (
     INT_MAX,
     INT_MIN,
     adversarial_indices,
+    assert_grids_within_cuda_limits,
     assert_matches_reference,
+    compact_reference,
     garbage_topk_length,
     make_problem,
     poisoned_views,
+    record_launch_grids,
     run_checked,
 )
 
@@ -192,3 +195,54 @@ def test_neighbour_tokens_untouched(H):
     assert torch.isnan(out_big[[0, 1, 5, 6]]).all() and torch.isnan(lse_big[[0, 1, 5, 6]]).all()
     ref_out, ref_lse = sparse_mla_ref(full.q[2:5], full.kv, full.indices[2:5], full.sm_scale)
     assert_matches_reference(out, lse, ref_out, ref_lse, DTYPE)
+
+
+needs_gpu = pytest.mark.skipif(DEVICE.type != "cuda", reason="sizes past CUDA grid / int32 limits need a GPU")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("T", [pytest.param(65535, id="T65535"), pytest.param(65536 + 5, id="T65541-past-grid-y-limit")])
+def test_many_tokens(T):
+    """More query tokens than a CUDA grid's y dimension holds (65535): every token must be computed."""
+    H, K, N = 16, 32, 4096
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    q = torch.randn(T, H, 576, device=DEVICE, generator=g).to(DTYPE)
+    kv = torch.randn(N, 576, device=DEVICE, generator=g).to(DTYPE)
+    idx = torch.randint(0, N, (T, K), device=DEVICE, generator=g, dtype=torch.int32)
+    idx = torch.sort(idx, dim=1).values
+    idx[:, 1:][idx[:, 1:] == idx[:, :-1]] = -1  # distinct rows per token
+    out_big, lse_big, out, lse = poisoned_views(T, H, pad_tokens=1)
+    sparse_mla_fwd(q, kv, idx, 576**-0.5, return_lse=True, method="per_token", out=out, lse=lse)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "some tokens were not computed"
+    assert torch.isnan(out_big[T:]).all()
+    for sl in (slice(0, 8), slice(T - 8, T)):
+        ref_out, ref_lse = sparse_mla_ref(q[sl], kv, idx[sl], 576**-0.5)
+        assert_matches_reference(out[sl], lse[sl], ref_out, ref_lse, DTYPE)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_kv_offsets_past_int32():
+    """kv with more than 2**31 elements (N * 576): rows near the end must be addressed with int64 offsets."""
+    N, T, H, K = 2**22 + 1000, 4, 16, 64  # (N - 1) * 576 > 2**31
+    g = torch.Generator(device=DEVICE).manual_seed(1)
+    kv = torch.empty(N, 576, device=DEVICE, dtype=DTYPE).normal_(generator=g)
+    q = torch.randn(T, H, 576, device=DEVICE, generator=g).to(DTYPE)
+    idx = (N - 1 - torch.stack([torch.randperm(4 * K, device=DEVICE, generator=g)[:K] for _ in range(T)])).to(torch.int32)
+    idx[:, ::3] = 1000 * torch.arange((K + 2) // 3, device=DEVICE, dtype=torch.int32) + 7  # low rows too (distinct)
+    out, lse = sparse_mla_fwd(q, kv, idx, 576**-0.5, return_lse=True, method="per_token")
+    ref_out, ref_lse = compact_reference(q, kv, idx, 576**-0.5)
+    assert_matches_reference(out, lse, ref_out, ref_lse, DTYPE)
+
+
+@pytest.mark.parametrize("T", [pytest.param(65535, id="T65535"), pytest.param(65536 + 5, id="T65541")])
+def test_launch_grid_within_cuda_limits(T, monkeypatch):
+    """The grid a T-token call launches must fit CUDA's limits (y and z <= 65535) for any T: checked on
+    the CPU by recording the launch instead of running it (test_many_tokens runs it on a GPU)."""
+    grids = record_launch_grids(monkeypatch)
+    q = torch.zeros(T, 2, 512, dtype=DTYPE, device=DEVICE)
+    kv = torch.zeros(8, 512, dtype=DTYPE, device=DEVICE)
+    idx = torch.zeros(T, 1, dtype=torch.int32, device=DEVICE)
+    sparse_mla_fwd(q, kv, idx, 1.0, method="per_token")
+    assert_grids_within_cuda_limits(grids)

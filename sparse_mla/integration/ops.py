@@ -45,7 +45,7 @@ def workspace_buffers(workspace) -> list[Tensor]:
         workspace: a ``sparse_mla.SparseMLAWorkspace`` (or None, giving ``[]``).
 
     Returns:
-        Every tensor attribute of the workspace (group_start, group_len, route, scratch,
+        Every tensor attribute of the workspace (group_start, group_len, route,
         union_rows, ...), sorted by attribute name.
     """
     if workspace is None:
