@@ -54,8 +54,8 @@ def bench(
     topk_trace: Annotated[str | None, typer.Option(help="Engine top-k dump (.pt/.safetensors, see sparse_mla.workloads.traces): its lists replace the synthetic ones.")] = None,
     dtype: Annotated[DType, typer.Option(help="q / kv dtype (the interpreter on a CPU always uses fp16).")] = DType.bf16,
     seed: Annotated[int, typer.Option(help="Seed of the inputs and synthetic lists.")] = 0,
-    json_out: Annotated[str, typer.Option("--json", help="Where to write the JSON results.")] = "results/bench.json",
-    plot_out: Annotated[str | None, typer.Option("--plot", help="PNG plot of time per path vs prompt length.")] = "results/bench.png",
+    json_out: Annotated[str, typer.Option("--json", help="Where to write the JSON results (results/ holds the committed GPU runs).")] = "out/bench.json",
+    plot_out: Annotated[str | None, typer.Option("--plot", help="PNG plot of time per path vs prompt length.")] = "out/bench.png",
 ) -> None:
     """Time every sparse MLA prefill path side by side on realistic scenarios and check each against
     the fp32 reference. Without a GPU, runs a small scenario through the Triton interpreter (its
