@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import subprocess
 import sys
@@ -39,7 +38,7 @@ import traceback
 import torch
 
 DEFAULT_PURE = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
-DEFAULT_CACHED = ((6144, 2048), (12288, 4096), (28672, 4096))
+DEFAULT_CACHED = ((2048, 2048), (4096, 4096), (6144, 2048), (12288, 4096), (28672, 4096))
 PATHS_ORDER = ("dense_mha", "masked_mha", "mqa_grouped", "mqa_per_token")
 # rough rates (FLOP/s) used only to order the points and to skip calls longer than --max-call-s
 EST_MHA_RATE = 250e12
@@ -56,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--topk", type=int, default=2048)
     ap.add_argument("--overlap", default="mid", help="sparse_mla.workloads overlap preset (high, mid, low, none, random)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--budget-s", type=float, default=230.0, help="stop starting new points after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=300.0, help="stop starting new points after this many seconds")
     ap.add_argument("--max-call-s", type=float, default=1.0, help="skip a path whose estimated call time exceeds this")
     ap.add_argument("--warmup-ms", type=int, default=10)
     ap.add_argument("--rep-ms", type=int, default=60)
@@ -69,84 +68,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def git_rev() -> str:
+    if os.environ.get("GIT_REV"):  # the GPU box gets a copy of the tree without .git
+        return os.environ["GIT_REV"]
     try:
         rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout
         return rev + ("-dirty" if dirty.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-
-
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.float(), ref.float()
-    d = ref.norm().item()
-    return (x - ref).norm().item() / d if d > 0 else (x - ref).norm().item()
-
-
-def make_inputs(model, cached: int, new: int, topk: int, heads: int, overlap: str, seed: int,
-                dev: torch.device, bf: torch.dtype) -> dict:
-    """Tensors for one point at ``heads`` heads (sliced per head count later): q, kv, kv_b_proj
-    weight with unit-scale K/V, and synthetic causal top-k lists (``sparse_mla.workloads``)."""
-    from sparse_mla.workloads import synthetic_batch
-
-    g = torch.Generator(device=dev).manual_seed(seed)
-    r, dn, dr, dv = model.kv_lora_rank, model.qk_nope_head_dim, model.qk_rope_head_dim, model.v_head_dim
-    batch = synthetic_batch([cached], [new], topk, overlap, seed=seed, device=dev)
-    N = batch.num_kv_rows
-    return dict(
-        q_nope=torch.randn(new, heads, dn, device=dev, generator=g).to(bf),
-        q_pe=torch.randn(new, heads, dr, device=dev, generator=g).to(bf) if dr else None,
-        kv=torch.randn(N, r + dr, device=dev, generator=g).to(bf),
-        w_kv_b=(torch.randn(heads * (dn + dv), r, device=dev, generator=g) * r**-0.5).to(bf),
-        indices=batch.indices.contiguous(),
-        cached_lens=[cached], new_lens=[new], sm_scale=model.sm_scale,
-    )
-
-
-def slice_heads(inp: dict, model, H: int) -> dict:
-    per = model.qk_nope_head_dim + model.v_head_dim
-    out = dict(inp)
-    out["q_nope"] = inp["q_nope"][:, :H].contiguous()
-    out["q_pe"] = None if inp["q_pe"] is None else inp["q_pe"][:, :H].contiguous()
-    out["w_kv_b"] = inp["w_kv_b"][: H * per].contiguous()
-    return out
-
-
-def sub_problem(inp: dict, lo: int, hi: int) -> dict:
-    """The tokens lo..hi-1 of a one-request point as their own step (the reference is per token)."""
-    c = inp["cached_lens"][0]
-    return {**inp, "q_nope": inp["q_nope"][lo:hi], "q_pe": None if inp["q_pe"] is None else inp["q_pe"][lo:hi],
-            "indices": inp["indices"][lo:hi], "cached_lens": [c + lo], "new_lens": [hi - lo], "row_offsets": [0]}
-
-
-def implied_thresholds(rows: list[dict]) -> dict:
-    """Per heads-per-rank: the work ratios where masked MHA beat / lost to the best sparse MQA path,
-    a suggested masked_mha_max_work_ratio between them, and how often grouped beat per-token."""
-    out = {}
-    for H in sorted({r["heads"] for r in rows}):
-        won, lost, g_win, g_tot, min_t_grouped_wins = [], [], 0, 0, None
-        for r in rows:
-            if r["heads"] != H or r["dense_eligible"]:
-                continue
-            ms = {p: v["ms"] for p, v in r["paths"].items() if v.get("ms") is not None}
-            sparse = [ms[p] for p in ("mqa_grouped", "mqa_per_token") if p in ms]
-            if "masked_mha" in ms and sparse:
-                (won if ms["masked_mha"] < min(sparse) else lost).append(r["work_ratio"])
-            if "mqa_grouped" in ms and "mqa_per_token" in ms:
-                g_tot += 1
-                if ms["mqa_grouped"] < ms["mqa_per_token"]:
-                    g_win += 1
-                    T = r["new"]
-                    min_t_grouped_wins = T if min_t_grouped_wins is None else min(min_t_grouped_wins, T)
-        lo = max(won) if won else None
-        hi = min(lost) if lost else None
-        if lo is not None and hi is not None:
-            suggest = math.sqrt(lo * hi) if lo < hi else None  # inconsistent: no single ratio splits them
-        else:
-            suggest = (lo * 1.25) if lo is not None else (hi * 0.8 if hi is not None else None)
-        out[H] = {"masked_won_up_to_ratio": lo, "masked_lost_from_ratio": hi, "suggested_masked_max_work_ratio": suggest,
-                  "grouped_beat_per_token": f"{g_win}/{g_tot}", "smallest_T_grouped_won": min_t_grouped_wins}
-    return out
 
 
 def main(argv=None) -> int:
@@ -171,6 +100,8 @@ def main(argv=None) -> int:
             return ms, ms, ms
         return triton.testing.do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms, quantiles=[0.5, 0.2, 0.8])
 
+    from sparse_mla.bench.check import rel_err
+    from sparse_mla.bench.inputs import make_inputs, slice_heads, sub_problem
     from sparse_mla.layer import PrefillStep, dsa_prefill, dsa_prefill_ref, explain
     from sparse_mla.layer.dispatch import THRESHOLDS, mha_work, sparse_work, work_ratio
     from sparse_mla.workloads.models import MODELS
@@ -204,7 +135,7 @@ def main(argv=None) -> int:
         "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke test, Triton interpreter)",
         "torch": torch.__version__, "triton": triton.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "args": vars(args), "thresholds_in_code": {k: v for k, v in THRESHOLDS.items()},
+        "args": vars(args), "thresholds_in_code": repr(THRESHOLDS),
     }
     print(f"# {meta['gpu']}  torch {meta['torch']}  triton {meta['triton']}  rev {meta['git_rev']}  {meta['date']}")
     hdr = f"{'model':14s} {'H':>3s} {'cached':>6s} {'new':>6s} {'ratio':>5s} | " + " ".join(f"{p:>13s}" for p in PATHS_ORDER)
@@ -285,20 +216,29 @@ def main(argv=None) -> int:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
-    implied = implied_thresholds(rows)
-    print("\n# implied thresholds (work ratio = MHA FLOPs over causal windows / sparse FLOPs over top-k)")
-    for H, v in implied.items():
-        print(f"H {H:3d}: masked MHA won up to ratio {v['masked_won_up_to_ratio']}, lost from {v['masked_lost_from_ratio']}"
-              f" -> suggested limit {v['suggested_masked_max_work_ratio']}; grouped beat per-token {v['grouped_beat_per_token']}"
-              f" (smallest T where it won: {v['smallest_T_grouped_won']})")
-    table = tuple((H, round(v["suggested_masked_max_work_ratio"], 2)) for H, v in implied.items()
-                  if v["suggested_masked_max_work_ratio"] is not None)
-    print(f'suggested THRESHOLDS["masked_mha_max_work_ratio"] = {table}')
+    from dataclasses import asdict
+
+    from sparse_mla.layer.calibration import TOLERANCE, evaluate, fit_thresholds
+
+    fitted = fit_thresholds(rows)
+    ev_code = evaluate(rows)
+    ev_fit = evaluate(rows, fitted)
+    grouped_wins = [f"{r['model']}/H{r['heads']}/{r['cached']}+{r['new']}" for r in rows
+                    if r["paths"]["mqa_grouped"].get("ms") and r["paths"]["mqa_per_token"].get("ms")
+                    and r["paths"]["mqa_grouped"]["ms"] * TOLERANCE < r["paths"]["mqa_per_token"]["ms"]]
+    print("\n# thresholds fitted to this sweep (sparse_mla.layer.calibration.fit_thresholds):")
+    print("THRESHOLDS = (\n" + "".join(f"    {row!r},\n" for row in fitted) + ")")
+    for name, ev in (("thresholds in code", ev_code), ("fitted thresholds", ev_fit)):
+        worst = max(ev, key=lambda e: e["slowdown"]) if ev else None
+        n_bad = sum(e["slowdown"] > TOLERANCE for e in ev)
+        print(f"# {name}: {n_bad} of {len(ev)} points slower than {TOLERANCE}x the best; worst {worst}")
+    print(f"# grouped beat per token by more than {TOLERANCE}x at {len(grouped_wins)} point(s): {grouped_wins}")
     if skipped:
         print(f"# skipped {len(skipped)} point(s): " + ", ".join(f"{s['model']} {s['cached']}+{s['new']} ({s['why']})"
                                                                for s in skipped))
-    result = {**meta, "rows": rows, "skipped": skipped, "implied_thresholds": implied,
-              "suggested_masked_mha_max_work_ratio": table, "elapsed_s": time.monotonic() - t_start, "failures": failures}
+    result = {**meta, "rows": rows, "skipped": skipped, "fitted_thresholds": [asdict(x) for x in fitted],
+              "evaluation_thresholds_in_code": ev_code, "evaluation_fitted": ev_fit, "grouped_wins": grouped_wins,
+              "elapsed_s": time.monotonic() - t_start, "failures": failures}
     path = os.path.join(out_dir, "sweep_paths.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1, default=str)

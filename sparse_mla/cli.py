@@ -1,4 +1,4 @@
-"""The ``sparse-mla`` command line: ``bench`` (the main job) and ``topk-stats``.
+"""The ``sparse-mla`` command line: ``bench`` (the main job), ``report`` and ``topk-stats``.
 
 Kernel modules are imported inside the commands, after TRITON_INTERPRET is decided: Triton reads
 it when a kernel is defined.
@@ -19,6 +19,8 @@ app = typer.Typer(
     add_completion=False,
 )
 
+SPARSE_MLA_PATH_ENV = "SPARSE_MLA_PATH"  # sparse_mla.layer.dispatch.ENV_VAR (not imported: it loads torch)
+
 
 class Model(str, Enum):
     deepseek_v3_2 = "deepseek-v3.2"
@@ -31,96 +33,210 @@ class DType(str, Enum):
     fp16 = "fp16"
 
 
-def _parse_ints(text: str | None, what: str) -> list[int] | None:
+def _parse_ints(text: str | None, what: str, minimum: int = 0) -> list[int] | None:
+    """Comma-separated integers >= ``minimum``; typer.BadParameter naming ``what`` otherwise."""
     if text is None:
         return None
     try:
         vals = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise typer.BadParameter(f"{what} must be comma-separated integers, got {text!r}") from None
-    if not vals or any(v < 0 for v in vals):
-        raise typer.BadParameter(f"{what} must be non-negative integers, got {text!r}")
+        raise typer.BadParameter(f"must be comma-separated integers, got {text!r}", param_hint=what) from None
+    if not vals or any(v < minimum for v in vals):
+        raise typer.BadParameter(f"must be integers >= {minimum}, got {text!r}", param_hint=what)
     return vals
+
+
+def _at_least(value: int | None, minimum: int, what: str) -> None:
+    if value is not None and value < minimum:
+        raise typer.BadParameter(f"must be >= {minimum}, got {value}", param_hint=what)
+
+
+def _kernel_device() -> bool:
+    """True on a CUDA GPU; else sets TRITON_INTERPRET=1 (before any kernel module is imported) or
+    raises BadParameter if it is set to something else."""
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise typer.BadParameter("no CUDA GPU and TRITON_INTERPRET is not 1: the kernels cannot run")
+    return False
+
+
+def _shapes(new_list: list[int] | None, cached_list: list[int] | None, default: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(cached, new) pairs from --tokens / --cached (one cached value for all, or one per --tokens)."""
+    if new_list is None:
+        if cached_list is not None:
+            raise typer.BadParameter("needs --tokens", param_hint="--cached")
+        return default
+    if cached_list is None:
+        cached_list = [0] * len(new_list)
+    elif len(cached_list) == 1:
+        cached_list = cached_list * len(new_list)
+    if len(cached_list) != len(new_list):
+        raise typer.BadParameter("needs one value or as many as --tokens", param_hint="--cached")
+    return list(zip(cached_list, new_list))
+
+
+def _bench_torchrun(world: int, model: list[Model] | None, tp: int | None, new_list: list[int] | None, topk: int,
+                    overlap: str, trials: int | None, seed: int, json_out: str | None, plot_out: str | None,
+                    single_gpu_only: dict[str, object]) -> None:
+    """``bench`` under torchrun with WORLD_SIZE > 1: ShardQ vs TP on the W GPUs (sparse_mla.bench.shardq)."""
+    for opt, val in single_gpu_only.items():
+        if val:
+            raise typer.BadParameter("is for the single-GPU layer benchmark, not the torchrun (ShardQ vs TP) one",
+                                     param_hint=opt)
+    if tp is None:
+        tp = world
+    elif tp != world:
+        raise typer.BadParameter(f"under torchrun it must equal WORLD_SIZE = {world}, got {tp}", param_hint="--tp")
+    on_gpu = _kernel_device()
+    from .bench import report, scenarios
+    from .bench.shardq import plot_shardq, print_shardq_table, run_shardq_bench
+
+    names = [m.value for m in model] if model else list(scenarios.SHARDQ_MODELS)
+    try:  # on a CPU (interpreter, tiny --tokens) ShardQ runs from any token count
+        res = run_shardq_bench([(n, tp) for n in names], new_list or list(scenarios.SHARDQ_TOKENS), topk=topk,
+                               overlap=overlap, trials=trials or (3 if on_gpu else 1), seed=seed,
+                               **({} if on_gpu else {"min_tokens": 0}))
+    except ValueError as e:  # its argument checks, before any collective
+        raise typer.BadParameter(str(e)) from None
+    if res is None:  # ranks other than 0
+        return
+    json_out = json_out or "out/bench_shardq.json"
+    report.write_json(json_out, res["meta"], res["results"], **{k: v for k, v in res.items() if k not in ("meta", "results")})
+    plot_out = "out/bench_shardq.png" if plot_out is None else plot_out
+    if plot_out:
+        plot_shardq(plot_out, res["results"])
+    print_shardq_table(res["results"])
+    typer.echo(f"wrote {json_out}" + (f" and {plot_out}" if plot_out else ""))
+    _exit_on_failures([f"{r['model']} T={r['tokens']} {r['variant']}: check failed"
+                       for r in res["results"] if r.get("check_ok") is False])
+
+
+def _exit_on_failures(failures: list[str]) -> None:
+    if failures:
+        typer.secho("FAILED: " + "; ".join(failures), fg=typer.colors.RED, err=True)
+        raise typer.Exit(1)
 
 
 @app.command()
 def bench(
-    model: Annotated[list[Model] | None, typer.Option(help="Model layout(s); default: glm-5 at TP4 and deepseek-v3.2 at TP8.")] = None,
-    tp: Annotated[int | None, typer.Option(help="Tensor-parallel size: heads per rank = model heads / tp.")] = None,
+    model: Annotated[list[Model] | None, typer.Option(help="Model layout (repeatable); default: glm-5 at TP4 and deepseek-v3.2 at TP8.")] = None,
+    dims: Annotated[list[str] | None, typer.Option(metavar="HEADS,KV_LORA_RANK,QK_NOPE,QK_ROPE,V", help="A custom layout (repeatable), e.g. 128,512,128,64,128; QK_ROPE may be 0 (NoPE).")] = None,
+    tp: Annotated[int | None, typer.Option(help="Tensor-parallel size: heads per rank = heads / tp on one GPU (default: glm-5 4, deepseek-v3.2 8, others 1); under torchrun with W processes, runs ShardQ vs TP on W GPUs (tp must be W).")] = None,
     tokens: Annotated[str | None, typer.Option(help="New (query) tokens per scenario, comma-separated, e.g. 8192,16384.")] = None,
-    cached: Annotated[str | None, typer.Option(help="Cached prefix tokens, comma-separated (paired with --tokens, or one value for all).")] = None,
+    cached: Annotated[str | None, typer.Option(help="Cached prefix tokens, comma-separated (one value for all --tokens, or one per value).")] = None,
     topk: Annotated[int, typer.Option(help="Rows the indexer selects per query (K).")] = 2048,
     overlap: Annotated[str, typer.Option(help="Synthetic top-k preset: high, mid, low (union ratio ~1.2/1.4/1.7 at G=8), none, random.")] = "mid",
-    topk_trace: Annotated[str | None, typer.Option(help="Engine top-k dump (.pt/.safetensors, see sparse_mla.workloads.traces): its lists replace the synthetic ones.")] = None,
-    dtype: Annotated[DType, typer.Option(help="q / kv dtype (the interpreter on a CPU always uses fp16).")] = DType.bf16,
+    topk_trace: Annotated[str | None, typer.Option(help="Engine top-k dump (.pt/.safetensors, see sparse_mla.workloads.traces): its first layer's lists replace the synthetic ones (one request, T = its rows).")] = None,
+    dtype: Annotated[DType, typer.Option(help="q / kv / weight dtype (the interpreter on a CPU always uses fp16).")] = DType.bf16,
+    trials: Annotated[int | None, typer.Option(help="Timing trials per path (each a do_bench median); default 3 on a GPU, 1 under the interpreter.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the inputs and synthetic lists.")] = 0,
-    json_out: Annotated[str, typer.Option("--json", help="Where to write the JSON results (results/ holds the committed GPU runs).")] = "out/bench.json",
-    plot_out: Annotated[str | None, typer.Option("--plot", help="PNG plot of time per path vs prompt length.")] = "out/bench.png",
+    json_out: Annotated[str | None, typer.Option("--json", show_default="out/bench.json; out/bench_shardq.json under torchrun", help="Where to write the JSON results (results/ holds the committed GPU runs).")] = None,
+    plot_out: Annotated[str | None, typer.Option("--plot", show_default="out/bench.png; out/bench_shardq.png under torchrun", help="PNG plot of time per path vs prompt length ('' for none).")] = None,
 ) -> None:
-    """Time every sparse MLA prefill path side by side on realistic scenarios and check each against
-    the fp32 reference. Without a GPU, runs a small scenario through the Triton interpreter (its
-    timings are not performance numbers)."""
-    import torch
+    """Layer-level benchmark: per scenario and model layout, the dispatcher's chosen path and the time of
+    every other applicable DSA prefill path (dense MHA, masked MHA, grouped and per-token sparse MQA,
+    and per-token padded to 64 heads, what engines run on Hopper), each checked against the fp32
+    reference. Without a GPU, runs small scenarios through the Triton interpreter (its timings are not
+    performance numbers)."""
+    new_list = _parse_ints(tokens, "--tokens", minimum=1)
+    cached_list = _parse_ints(cached, "--cached")
+    _at_least(topk, 1, "--topk")
+    _at_least(trials, 1, "--trials")
+    _at_least(tp, 1, "--tp")
+    from .bench import scenarios
+    from .workloads.topk import resolve_overlap
 
-    on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
-        raise typer.BadParameter("no CUDA GPU and TRITON_INTERPRET is not 1: the kernels cannot run")
+    try:
+        resolve_overlap(overlap)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--overlap") from None
+    custom = []
+    for text in dims or []:
+        try:
+            custom.append(scenarios.model_from_dims(text))
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--dims") from None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        _bench_torchrun(world, model, tp, new_list, topk, overlap, trials, seed, json_out, plot_out,
+                        {"--dims": dims, "--cached": cached, "--topk-trace": topk_trace})
+        return
+    on_gpu = _kernel_device()
+    if SPARSE_MLA_PATH_ENV in os.environ:
+        typer.secho(f"ignoring {SPARSE_MLA_PATH_ENV}={os.environ.pop(SPARSE_MLA_PATH_ENV)}: the chosen column is the "
+                    "dispatcher's own choice", fg=typer.colors.YELLOW)
+    import torch
     from tqdm import tqdm
 
-    from .bench import report, scenarios
+    from .bench import report
     from .bench.runner import run_scenario
 
-    new_list = _parse_ints(tokens, "--tokens")
-    cached_list = _parse_ints(cached, "--cached")
     if on_gpu:
-        shapes = list(scenarios.DEFAULT_SHAPES)
-        k = topk
+        shapes, k = list(scenarios.DEFAULT_SHAPES), topk
     else:
-        typer.secho("No CUDA GPU: running a small scenario through the Triton interpreter (fp16); "
-                    "its timings are NOT performance numbers.", fg=typer.colors.YELLOW)
-        shapes = list(scenarios.CPU_SHAPES)
-        k = min(topk, scenarios.CPU_TOPK)
-    if new_list is not None:
-        if cached_list is None:
-            cached_list = [0] * len(new_list)
-        elif len(cached_list) == 1:
-            cached_list = cached_list * len(new_list)
-        if len(cached_list) != len(new_list):
-            raise typer.BadParameter("--cached needs one value or as many as --tokens")
-        shapes = list(zip(cached_list, new_list))
-    if model:
-        models = [(m.value, tp or (4 if m.value.startswith("glm") else 8)) for m in model]
-    else:
-        models = [(m, tp or t) for m, t in scenarios.DEFAULT_MODELS]
-    try:
-        scs = scenarios.build_scenarios(models, shapes, k)
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
+        shapes, k = list(scenarios.CPU_SHAPES), min(topk, scenarios.CPU_TOPK)
+    shapes = _shapes(new_list, cached_list, shapes)
+    pairs = [(m.value, tp or scenarios.DEFAULT_TP.get(m.value, 1)) for m in model or []]
+    pairs += [(cfg, tp or 1) for cfg in custom]
+    pairs = pairs or [(m, tp or t) for m, t in scenarios.DEFAULT_MODELS]
     trace = None
     if topk_trace is not None:
+        from .bench.inputs import trace_shape
         from .workloads.traces import load_trace
 
-        trace = load_trace(topk_trace)[0]
-        scs = [scenarios.Scenario(s.model, s.tp, 0, trace.topk.shape[0], trace.topk.shape[1]) for s in scs[: len(models)]]
-    interpreted = not on_gpu
-    torch_dtype = torch.float16 if interpreted or dtype == DType.fp16 else torch.bfloat16
+        try:
+            trace = load_trace(topk_trace)[0]
+        except (OSError, ValueError, TypeError) as e:
+            raise typer.BadParameter(str(e), param_hint="--topk-trace") from None
+        shapes, k = [trace_shape(trace.topk)], trace.topk.shape[1]
+    try:
+        scs = scenarios.build_scenarios(pairs, shapes, k)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--tp") from None
+    if not on_gpu:
+        typer.secho("No CUDA GPU: running small scenarios through the Triton interpreter (fp16); "
+                    "its timings are NOT performance numbers.", fg=typer.colors.YELLOW)
+    trials = trials or (3 if on_gpu else 1)
+    torch_dtype = torch.float16 if not on_gpu or dtype == DType.fp16 else torch.bfloat16
     device = torch.device("cuda" if on_gpu else "cpu")
     rows = []
     for sc in tqdm(scs, desc="scenarios", unit="scenario"):
-        rows.append(run_scenario(sc, dtype=torch_dtype, device=device, overlap=overlap, seed=seed,
-                                 trace_indices=None if trace is None else trace.topk,
-                                 trace_valid=None if trace is None else trace.valid))
+        rows.append(run_scenario(sc, dtype=torch_dtype, device=device, overlap=overlap, seed=seed, trials=trials, trace=trace))
         if on_gpu:
             torch.cuda.empty_cache()
-    meta = report.provenance(interpreted)
+    meta = report.provenance(not on_gpu, trials)
     meta.update(overlap=overlap if trace is None else f"trace {topk_trace}", dtype=str(torch_dtype))
+    json_out = json_out or "out/bench.json"
+    plot_out = "out/bench.png" if plot_out is None else plot_out
     report.write_json(json_out, meta, rows)
     if plot_out:
-        report.plot(plot_out, rows, interpreted)
-    report.print_table(rows, interpreted)
+        report.plot(plot_out, rows, not on_gpu)
+    report.print_table(rows, not on_gpu)
     typer.echo(f"wrote {json_out}" + (f" and {plot_out}" if plot_out else ""))
+    _exit_on_failures([f"{r['scenario']} {f}" for r in rows for f in r["failures"]])
+
+
+@app.command("report")
+def report_cmd(
+    json_file: Annotated[str, typer.Argument(help="A `sparse-mla bench` JSON, e.g. results/bench.json.")],
+) -> None:
+    """Print the README's markdown table of a bench JSON (the README table is generated from the
+    committed JSON, never typed)."""
+    from .bench.report import markdown_table, read_json
+
+    try:
+        meta, rows = read_json(json_file)
+    except (OSError, ValueError) as e:
+        raise typer.BadParameter(str(e), param_hint="JSON_FILE") from None
+    typer.echo(f"<!-- `sparse-mla report {json_file}`: {meta.get('gpu', '?')}, rev {meta.get('git_revision', '?')}, "
+               f"{meta.get('date', '?')}, {meta.get('dtype', '?')}, top-k {meta.get('overlap', '?')} -->")
+    if meta.get("timings_meaningful") is False:
+        typer.echo("(Triton interpreter run: the times are not performance numbers)\n")
+    typer.echo(markdown_table(rows))
 
 
 @app.command("topk-stats")
@@ -148,7 +264,7 @@ def topk_stats(
 
 
 def main() -> None:
-    app()
+    app(prog_name="sparse-mla")
 
 
 if __name__ == "__main__":

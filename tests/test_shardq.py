@@ -1,19 +1,23 @@
-"""ShardQ (token-sharded sparse MLA across TP ranks) and its zigzag split.
+"""ShardQ (token-sharded sparse MLA across TP ranks), its zigzag split, and its benchmark.
 
-Multi-process tests spawn W gloo ranks on the CPU (file rendezvous in tmp_path); each rank holds
-the TP head shard of q, calls ``shardq_sparse_mla_fwd`` and the gathered head shards are compared
-with one process running ``sparse_mla_fwd`` on all heads and with the fp32 ``sparse_mla_ref``.
-The workers always run the Triton kernels through the interpreter in fp16 (TRITON_INTERPRET=1 is
-put in the environment they inherit, before they import any kernel), also on a GPU machine: the
-NCCL path is exercised by scripts/bench_shardq.py (its --check).
+Multi-process tests spawn W ranks (file rendezvous in tmp_path); each rank holds the TP head shard
+of q, calls ``shardq_sparse_mla_fwd`` and the gathered head shards are compared with one process
+running ``sparse_mla_fwd`` on all heads and with the fp32 ``sparse_mla_ref``. Two backends
+(``BACKENDS``): gloo on the CPU, the Triton kernels through the interpreter in fp16
+(TRITON_INTERPRET=1 is put in the environment the workers inherit, before they import any
+kernel), run everywhere; NCCL with one GPU per rank in bf16, compiled kernels (the workers must
+not inherit TRITON_INTERPRET=1), run where torch.cuda.device_count() >= 2.
 
 One spawn per world size runs the case table (starting W interpreters costs seconds; W = 4 runs
-the cases where the world size matters); a failure names the case and the rank.
+the cases where the world size matters); a failure names the case and the rank. One more gloo
+spawn runs ``sparse_mla.bench.shardq.run_shardq_bench`` on a tiny model point.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
+import math
 import os
 import time
 from dataclasses import dataclass, replace
@@ -24,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from lib import DEVICE, DTYPE, INT_MAX, INT_MIN, TOLERANCE, assert_matches_reference, make_problem, rel_err
 
+from sparse_mla.bench.shardq import VARIANTS, plot_shardq, print_shardq_table, run_shardq_bench
 from sparse_mla.distributed import (
     shardq_sparse_mla_fwd,
     tp_sparse_mla_fwd,
@@ -34,8 +39,28 @@ from sparse_mla.distributed import (
 from sparse_mla.reference import sparse_mla_ref
 
 D_QK, D_V = 576, 512
-WORKER_DTYPE = torch.float16  # the interpreter's bf16 tl.dot is wrong (tests/lib.py)
 SENTINELS = (-1, INT_MIN, None, INT_MAX)  # None = N, the first row past the cache
+
+
+@dataclass(frozen=True)
+class Backend:
+    """How the spawned ranks run: torch.distributed backend, q / kv dtype, and whether the Triton
+    kernels run through the interpreter on CPU tensors (else compiled, rank r on cuda:r)."""
+
+    name: str
+    dtype: torch.dtype
+    interpret: bool
+
+    def device(self, rank: int) -> torch.device:
+        return torch.device("cpu") if self.interpret else torch.device("cuda", rank)
+
+
+GLOO = Backend("gloo", torch.float16, True)  # fp16: the interpreter's bf16 tl.dot is wrong (tests/lib.py)
+NCCL = Backend("nccl", torch.bfloat16, False)
+needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL ranks need 2 CUDA GPUs (one per rank)")
+# On a GPU box the NCCL variant runs the compiled kernels; the gloo variants run the interpreter,
+# which Triton 3.6 (the H200 image) cannot run on sparse_mqa's runtime loop bounds: CPU CI covers them.
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="gloo + Triton interpreter variant: runs on CPU machines")
 
 # ---------------------------------------------------------------------------------------------
 # zigzag_partition
@@ -117,9 +142,10 @@ class Case:
         return sum(n for _, n in self.requests)
 
 
-def build_problem(case: Case, seed: int = 0):
-    """q [T, H, 576], kv [N, 576] (or paged [N / 8, 8, 576]), indices [T, K] int32, topk_length
-    [T] int32 or None; CPU fp16, the same on every rank (seeded).
+def build_problem(case: Case, seed: int = 0, backend: Backend = GLOO, rank: int = 0):
+    """q [T, H, 576], kv [N, 576] (or paged [N / 8, 8, 576]) in ``backend.dtype``, indices [T, K]
+    int32, topk_length [T] int32 or None; on ``backend.device(rank)``, the same values on every
+    rank (drawn seeded on the CPU).
 
     Each request's context (cached + new positions) sits at random global rows (a block table); a
     query at position p picks the top-k positions in [0, p] by a per-key score plus per-query
@@ -163,11 +189,13 @@ def build_problem(case: Case, seed: int = 0):
     if case.use_topk_length:
         topk_length = torch.tensor(lengths, dtype=torch.int32)
         topk_length[case.num_real // 2] = 0  # a query with no valid row
-    q = torch.randn(T, case.heads, D_QK, generator=g).to(WORKER_DTYPE)
-    kv = torch.randn(N, D_QK, generator=g).to(WORKER_DTYPE)
+    q = torch.randn(T, case.heads, D_QK, generator=g).to(backend.dtype)
+    kv = torch.randn(N, D_QK, generator=g).to(backend.dtype)
     if case.paged:
         kv = kv.view(N // 8, 8, D_QK)
-    return q, kv, indices, topk_length, D_QK**-0.5
+    dev = backend.device(rank)
+    topk_length = None if topk_length is None else topk_length.to(dev)
+    return q.to(dev), kv.to(dev), indices.to(dev), topk_length, D_QK**-0.5
 
 
 WORKER_CASES = [
@@ -205,10 +233,11 @@ def _assert_groups_below_overlap_guard(indices: torch.Tensor, topk_length: torch
     from sparse_mla.workspace import default_group_size
 
     G = default_group_size(H)
+    indices = indices.cpu()
     K = indices.shape[1]
     valid = (indices >= 0) & (indices < N)
     if topk_length is not None:
-        valid &= torch.arange(K)[None, :] < topk_length[:, None]
+        valid &= torch.arange(K)[None, :] < topk_length.cpu()[:, None]
     for g0 in range(0, indices.shape[0], G):
         v, rows = valid[g0:g0 + G], indices[g0:g0 + G]
         union = torch.unique(rows[v]).numel()
@@ -216,16 +245,17 @@ def _assert_groups_below_overlap_guard(indices: torch.Tensor, topk_length: torch
         assert union <= overlap_guard_ratio(G) * max(mean, 1.0), f"group at row {g0}: union {union}, mean list {mean}"
 
 
-def _run_case(case: Case, rank: int, W: int) -> None:
+def _run_case(case: Case, rank: int, W: int, backend: Backend) -> None:
     from sparse_mla.interface import sparse_mla_fwd
 
-    q, kv, indices, topk_length, scale = build_problem(case)
+    dtype, dev = backend.dtype, backend.device(rank)
+    q, kv, indices, topk_length, scale = build_problem(case, backend=backend, rank=rank)
     T, H, _ = q.shape
     Hl, n = H // W, case.num_real
     heads = slice(rank * Hl, (rank + 1) * Hl)
     q_local = q[:, heads]  # a strided view, as a TP rank's slice may be
-    out = torch.full((T, Hl, D_V), float("nan"), dtype=WORKER_DTYPE)
-    lse = torch.full((T, Hl), float("nan")) if case.return_lse else None
+    out = torch.full((T, Hl, D_V), float("nan"), dtype=dtype, device=dev)
+    lse = torch.full((T, Hl), float("nan"), device=dev) if case.return_lse else None
     calls, timings, info = [], {}, {}
     res = shardq_sparse_mla_fwd(
         q_local, kv, indices, scale, topk_length=topk_length, return_lse=case.return_lse, method=case.method,
@@ -276,7 +306,7 @@ def _run_case(case: Case, rank: int, W: int) -> None:
     # This rank's shard against the fp32 reference on its heads.
     ref_out, ref_lse = sparse_mla_ref(q[:n, heads], kv, indices[:n], scale,
                                       topk_length=None if topk_length is None else topk_length[:n])
-    assert_matches_reference(out[:n], lse[:n] if case.return_lse else None, ref_out, ref_lse, WORKER_DTYPE)
+    assert_matches_reference(out[:n], lse[:n] if case.return_lse else None, ref_out, ref_lse, dtype)
 
     # All shards against one process running every head.
     if rank == 0:
@@ -287,19 +317,20 @@ def _run_case(case: Case, rank: int, W: int) -> None:
             if case.return_lse:
                 assert torch.equal(full_lse[:n], single[1])
         else:  # different groups, same per-query result up to fp32 summation order
-            assert rel_err(full_out[:n], single[0]) < TOLERANCE[WORKER_DTYPE]
+            assert rel_err(full_out[:n], single[0]) < TOLERANCE[dtype]
             assert torch.equal(torch.isinf(full_lse[:n]), torch.isinf(single[1]))
         full_ref, full_ref_lse = sparse_mla_ref(q[:n], kv, indices[:n], scale,
                                                 topk_length=None if topk_length is None else topk_length[:n])
         assert_matches_reference(full_out[:n], full_lse[:n] if case.return_lse else None, full_ref, full_ref_lse,
-                                 WORKER_DTYPE)
+                                 dtype)
 
 
-def _check_bad_input(rank: int, W: int) -> None:
+def _check_bad_input(rank: int, W: int, backend: Backend) -> None:
     """Bad arguments raise on every rank before any communication (no rank is left hanging); a
     step with no real rows returns zeros / -inf without communicating."""
     case = WORKER_CASES[0]
-    q, kv, indices, _, scale = build_problem(case)
+    dev = backend.device(rank)
+    q, kv, indices, _, scale = build_problem(case, backend=backend, rank=rank)
     T = q.shape[0]
     q_local = q[:, : q.shape[1] // W]
     bad = [
@@ -307,14 +338,14 @@ def _check_bad_input(rank: int, W: int) -> None:
         (dict(indices=indices[:-1]), ValueError, "indices must be"),
         (dict(indices=indices.long()), TypeError, "indices must be int32"),
         (dict(kv=kv.float()), TypeError, "kv must have the dtype"),
-        (dict(topk_length=torch.zeros(T - 1, dtype=torch.int32)), ValueError, "topk_length must be"),
+        (dict(topk_length=torch.zeros(T - 1, dtype=torch.int32, device=dev)), ValueError, "topk_length must be"),
         (dict(num_real_tokens=T + 1), ValueError, "num_real_tokens"),
         (dict(num_real_tokens=-1), ValueError, "num_real_tokens"),
         (dict(num_real_tokens=torch.tensor(3)), TypeError, "num_real_tokens"),
         (dict(min_tokens=-5), ValueError, "min_tokens"),
         (dict(min_tokens=1.5), TypeError, "min_tokens"),
-        (dict(out=torch.empty(T, 3, D_V, dtype=WORKER_DTYPE)), ValueError, "out must be"),
-        (dict(lse=torch.empty(T, q_local.shape[1]), return_lse=False), ValueError, "lse"),
+        (dict(out=torch.empty(T, 3, D_V, dtype=backend.dtype, device=dev)), ValueError, "out must be"),
+        (dict(lse=torch.empty(T, q_local.shape[1], device=dev), return_lse=False), ValueError, "lse"),
         (dict(sm_scale=float("nan")), ValueError, "sm_scale"),
     ]
     for change, exc, msg in bad:
@@ -332,27 +363,45 @@ def _check_bad_input(rank: int, W: int) -> None:
     dist.barrier()  # every rank got here without a collective in between
 
 
-def _worker(rank: int, world_size: int, init_file: str, case_ids: list[str], check_bad_input: bool) -> None:
+def _run_cases(rank: int, W: int, backend: Backend, case_ids: list[str], check_bad_input: bool) -> None:
+    if check_bad_input:
+        _check_bad_input(rank, W, backend)
+    for case in WORKER_CASES:
+        if case.id in case_ids:
+            try:
+                _run_case(case, rank, W, backend)
+            except Exception as e:
+                raise AssertionError(f"case {case.id!r} failed on rank {rank} of {W} ({backend.name}): {e}") from e
+
+
+def _worker(rank: int, world_size: int, init_file: str, backend: Backend, task, task_args: tuple) -> None:
+    """One spawned rank: joins the group (file rendezvous), runs ``task(rank, W, backend, *task_args)``."""
     # The kernels read TRITON_INTERPRET when first imported; this process has imported none yet.
-    assert os.environ.get("TRITON_INTERPRET") == "1", "spawned workers must inherit TRITON_INTERPRET=1"
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    assert interpreted == backend.interpret, f"{backend.name} workers must {'' if backend.interpret else 'not '}" \
+        "inherit TRITON_INTERPRET=1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+    if not backend.interpret:
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend.name, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        if check_bad_input:
-            _check_bad_input(rank, world_size)
-        for case in WORKER_CASES:
-            if case.id in case_ids:
-                try:
-                    _run_case(case, rank, world_size)
-                except Exception as e:
-                    raise AssertionError(f"case {case.id!r} failed on rank {rank} of {world_size}: {e}") from e
+        task(rank, world_size, backend, *task_args)
     finally:
         dist.destroy_process_group()
 
 
-def _spawn(world_size: int, tmp_path, case_ids: list[str], check_bad_input: bool, timeout_s: float = 240.0) -> None:
-    ctx = mp.start_processes(_worker, args=(world_size, str(tmp_path / "rendezvous"), case_ids, check_bad_input),
+def _spawn(monkeypatch, tmp_path, world_size: int, backend: Backend, task, *task_args, timeout_s: float = 240.0) -> None:
+    """Run ``task`` on ``world_size`` spawned ranks of ``backend``; a worker's exception fails the test
+    with its traceback, a hang fails it after ``timeout_s``."""
+    if backend.interpret:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # inherited by the spawned workers
+        for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # W processes share few cores
+            monkeypatch.setenv(var, "1")
+    else:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # compiled kernels on the GPUs
+        monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off
+    ctx = mp.start_processes(_worker, args=(world_size, str(tmp_path / "rendezvous"), backend, task, task_args),
                              nprocs=world_size, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1.0):  # raises ProcessRaisedException with the worker's traceback
@@ -360,19 +409,103 @@ def _spawn(world_size: int, tmp_path, case_ids: list[str], check_bad_input: bool
             for proc in ctx.processes:
                 if proc.is_alive():
                     proc.terminate()
-            pytest.fail(f"ShardQ workers (W = {world_size}) did not finish within {timeout_s} s (a collective hung?)")
+            pytest.fail(f"{task.__name__} on W = {world_size} {backend.name} ranks did not finish within {timeout_s} s "
+                        "(a collective hung?)")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", [2, 4], ids=["W2", "W4"])
-def test_shardq_matches_single_process_and_reference(world_size, tmp_path, monkeypatch):
-    """Every WORKER_CASES case on W gloo ranks: path choice, exact exchange, padding rows, fp32
-    reference per rank, bitwise equality with one process on all heads (per_token)."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # inherited by the spawned workers
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # W processes share few cores
-        monkeypatch.setenv(var, "1")
-    _spawn(world_size, tmp_path, [c.id for c in WORKER_CASES if world_size in c.world_sizes],
-           check_bad_input=world_size == 2)
+@pytest.mark.parametrize("backend,world_size", [
+    pytest.param(GLOO, 2, marks=cpu_only),
+    pytest.param(GLOO, 4, marks=cpu_only),
+    pytest.param(NCCL, 2, marks=[pytest.mark.gpu, needs_two_gpus]),
+], ids=["gloo-W2", "gloo-W4", "nccl-W2"])
+def test_shardq_matches_single_process_and_reference(backend, world_size, tmp_path, monkeypatch):
+    """Every WORKER_CASES case on W ranks: path choice, exact exchange, padding rows, reference per
+    rank (the backend's dtype tolerance), bitwise equality with one process on all heads (per_token)."""
+    _spawn(monkeypatch, tmp_path, world_size, backend, _run_cases,
+           [c.id for c in WORKER_CASES if world_size in c.world_sizes], world_size == 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# sparse_mla.bench.shardq: the benchmark's own logic (2 gloo ranks, tiny sizes)
+# ---------------------------------------------------------------------------------------------
+
+BENCH_ARGS = dict(topk=16, overlap="mid", trials=1, seed=0, min_tokens=0)
+
+
+def _bench_task(rank: int, W: int, backend: Backend, out_file: str) -> None:
+    with pytest.raises(ValueError, match="tp must equal"):  # on every rank, before any communication
+        run_shardq_bench([("glm-5", 2 * W)], [40], **BENCH_ARGS)
+    doc = run_shardq_bench([("glm-5", W)], [40], check=True, **BENCH_ARGS)
+    if rank == 0:
+        with open(out_file, "w") as f:
+            json.dump(doc, f)
+    else:
+        assert doc is None, "only rank 0 gets the results"
+
+
+@pytest.mark.slow
+@cpu_only
+def test_run_shardq_bench_on_gloo_ranks(tmp_path, monkeypatch, capsys):
+    """run_shardq_bench on 2 gloo ranks: every variant timed and checked, rows / summary / meta
+    complete; the table and the plot render from the rows."""
+    out_file = tmp_path / "bench.json"
+    _spawn(monkeypatch, tmp_path, 2, GLOO, _bench_task, str(out_file), timeout_s=120.0)
+    doc = json.loads(out_file.read_text())
+    rows = doc["results"]
+    assert [r["variant"] for r in rows] == list(VARIANTS)  # glm-5 at W = 2: G = 4 (TP), 2 (ShardQ)
+    for r in rows:
+        assert (r["model"], r["tp"], r["tokens"], r["heads"], r["heads_per_rank"]) == ("glm-5", 2, 40, 64, 32)
+        for key in ("total_ms", "attn_ms", "xchg_q_ms", "xchg_out_ms", "tflops", "union_g"):
+            assert math.isfinite(r[key]) and r[key] >= 0, (r["variant"], key, r[key])
+        assert r["err_vs_ref"] < 1e-2 and r["err_vs_tp"] < 1e-2 and not r["nan"] and r["check_ok"], r
+        assert (r["xchg_q_ms"] > 0) == (r["path"] == "shardq")
+    (s,) = doc["summary"]
+    assert s["tokens"] == 40 and s["speedup"] > 0 and s["tp_best_variant"].startswith("tp/")
+    meta = doc["meta"]
+    assert meta["world_size"] == 2 and meta["backend"] == "gloo" and meta["nccl_nvls_enable"] == "0"
+    assert meta["dtype"] == "torch.float16" and "synthetic_topk" in meta["topk_source"] and meta["git_revision"]
+    print_shardq_table(rows)
+    assert "shardq/grouped" in capsys.readouterr().out
+    pytest.importorskip("matplotlib")
+    plot_shardq(str(tmp_path / "bench.png"), rows)
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(models=[]), "models"),
+    (dict(models=[("glm-6", 2)]), "unknown model"),
+    (dict(models=[("glm-5",)]), r"models\[0\]"),
+    (dict(models=[("glm-5", 4)]), "tp must equal"),
+    (dict(models=[("deepseek-v3.2", 2), ("glm-5", "2")]), r"models\[1\] tp"),
+    (dict(tokens=[]), "tokens"),
+    (dict(tokens=[40, 0]), r"tokens\[1\]"),
+    (dict(tokens=[512], min_tokens=1024), r"tokens\[0\] = 512 < min_tokens = 1024"),
+    (dict(topk=0), "topk"),
+    (dict(trials=0), "trials"),
+    (dict(trials=True), "trials"),
+    (dict(seed=-1), "seed"),
+    (dict(min_tokens=-1), "min_tokens"),
+    (dict(overlap="medium"), "overlap preset"),
+    (dict(overlap=None), "overlap"),
+], ids=lambda v: str(v) if isinstance(v, str) else None)
+def test_run_shardq_bench_rejects_bad_arguments(change, match, monkeypatch):
+    """Every bad argument: a ValueError naming it, before any process group or kernel launch."""
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it; no process group is started
+    kwargs = dict(models=[("glm-5", 2)], tokens=[40], **BENCH_ARGS)
+    kwargs.update(change)
+    with pytest.raises(ValueError, match=match):
+        run_shardq_bench(kwargs.pop("models"), kwargs.pop("tokens"), **kwargs)
+    assert not dist.is_initialized()
+
+
+def test_run_shardq_bench_needs_torchrun_and_two_ranks(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(RuntimeError, match="torchrun"):
+        run_shardq_bench([("glm-5", 2)], [40], **BENCH_ARGS)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ValueError, match="world size >= 2"):
+        run_shardq_bench([("glm-5", 1)], [40], **BENCH_ARGS)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,26 +1,58 @@
-"""Report: terminal table (rich), JSON with provenance, PNG plot (matplotlib)."""
+"""Report of ``sparse-mla bench``: JSON with provenance, terminal table (rich), README markdown
+table, PNG plot (matplotlib).
+
+JSON: {"meta": ``provenance`` + run settings + ``FIELD_NOTES``, "results": [row, ...]}, one row per
+scenario as ``runner.run_scenario`` returns it (keys described in ``FIELD_NOTES``).
+"""
 
 from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import subprocess
 import sys
 
-import torch
+from .baselines import PATH_COLUMNS
 
-PATH_ORDER = ("per_token", "grouped", "per_token_pad64")
+SHORT = {"dense_mha": "dense", "masked_mha": "masked", "mqa_grouped": "grouped", "mqa_per_token": "per_tok",
+         "mqa_per_token_pad64": "pad64"}
+
+# What the row keys mean (copied into the JSON's meta, so the file explains itself).
+FIELD_NOTES = {
+    "row": "scenario, model, tp, heads (per rank), dims, cached, new (= T), topk, kv_rows (N), useful_tflop, work_ratio "
+           "(MHA FLOPs over causal windows / sparse FLOPs over top-k), floor_ms, group_size, union_ratio, union_build, "
+           "chosen_path, chosen_reason, chosen_ms, chosen_tflops, chosen_speedup_vs_per_token, chosen_speedup_vs_pad64, "
+           "best_path, max_rel_err, failures, paths",
+    "paths": "per path (dense_mha, masked_mha, mqa_grouped, mqa_per_token, mqa_per_token_pad64): supported, reason; when "
+             "supported: rel_err, check_ok, ms (median of trials), min_ms, max_ms, trials_ms (each trial's median), tflops, "
+             "speedup_vs_per_token, speedup_vs_pad64 (None without a pad64 run, H >= 64); error if it raised",
+    "chosen": "chosen_path = sparse_mla.layer.explain(step), the dispatcher's automatic choice (SPARSE_MLA_PATH ignored); "
+              "chosen_ms is the time of that path measured in this run with path= forced, not a separate run",
+    "mqa_per_token_pad64": "baseline, not a dispatcher path: absorbed q zero-padded to 64 heads (FlashMLA's minimum on "
+                           "Hopper), our per-token kernel on all 64, W_UV on the real heads",
+    "tflops": "useful TFLOP/s = sparse_mla.layer.dispatch.sparse_work(step) / ms: 2 H (kv_lora + qk_rope + kv_lora) "
+              "sum_t min(topk, window_t), the same work for every path",
+    "floor_ms": "max(sparse_work / 790 TFLOP/s, per-token gathered latent bytes / 4.3 TB/s) (H200)",
+    "union_ratio": "kernel level: mean union rows of G = 128 // H consecutive queries (groups inside the request) / mean "
+                   "valid rows per query; union_build: time of the hash-table union builder (ms, per trial)",
+    "rel_err": "relative Frobenius error vs the fp32 layer reference dsa_prefill_ref on 3 chunks of <= 16 tokens (start, "
+               "middle, end), out NaN-poisoned before the call; check_ok = rel_err < 1e-2",
+}
 
 
-def provenance(interpreted: bool) -> dict:
-    """Command, git revision, GPU, date and versions for the JSON header."""
+def provenance(interpreted: bool, trials: int) -> dict:
+    """Command, git revision, GPU, date, versions and the timing method for the JSON's meta."""
     try:
         rev = os.environ.get("GIT_REV") or subprocess.check_output(
             ["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL, cwd=os.path.dirname(__file__)).strip()
     except (OSError, subprocess.CalledProcessError):
         rev = "unknown"
+    import torch
     import triton
+
+    from .timing import REP_MS, WARMUP_MS
 
     return {
         "command": " ".join(["sparse-mla", *sys.argv[1:]]),
@@ -30,67 +62,128 @@ def provenance(interpreted: bool) -> dict:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "timings_meaningful": not interpreted,
-        "timing": "triton.testing.do_bench: CUDA events, L2 flushed between runs, median (p20/p80 kept)"
+        "trials": trials,
+        "timing": f"{trials} trial(s) of triton.testing.do_bench(warmup={WARMUP_MS} ms, rep={REP_MS} ms): CUDA events, "
+                  "L2 flushed between runs, median per trial; ms = median of the trials, min_ms / max_ms their spread"
         if not interpreted else "one wall-clock run under TRITON_INTERPRET=1: not a performance number",
+        "fields": FIELD_NOTES,
     }
 
 
-def print_table(rows: list[dict], interpreted: bool) -> None:
+def _ms(v: float | None) -> str:
+    """3 significant digits, at most 5 characters for times from 0.001 to 99999 ms."""
+    if v is None or not math.isfinite(v):
+        return "-"
+    return f"{v:.3g}" if v < 1000 else f"{v:.0f}"
+
+
+def _ratio(v: float) -> str:
+    return f"{v:.2f}" if math.isfinite(v) else "-"
+
+
+def _x(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.2f}x" if v < 10 else f"{v:.3g}x"
+
+
+def _err(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1e}"
+
+
+def _path_ms(r: dict, name: str) -> str:
+    rec = r["paths"][name]
+    if "error" in rec:
+        return "ERR"
+    return _ms(rec.get("ms")) + ("!" if rec.get("check_ok") is False else "")
+
+
+def print_table(rows: list[dict], interpreted: bool, width: int | None = None) -> None:
+    """The terminal table (fits 120 columns): scenario, H, union ratio, chosen path and its ms, ms
+    of every path ("-" where unsupported, "!" after a failed check, ERR if it raised), the chosen
+    path's speedups vs per-token and vs pad-64, max rel err. ``width``: the console's (default: the
+    terminal's, 120 when stdout is not a terminal)."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="sparse-mla bench: time per path (ms), useful TFLOP/s, speedups" +
-                  (" [INTERPRETER: timings not meaningful]" if interpreted else ""))
-    for col in ("scenario", "H", "union", "auto", "per_token", "grouped", "pad64", "grp/pt", "grp/pad64", "pt/pad64",
-                "union ms", "max err"):
-        table.add_column(col, justify="right")
+    title = "sparse-mla bench: ms per layer call" + (" [INTERPRETER: timings not meaningful]" if interpreted else "")
+    table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 0), caption="chosen = dispatcher's choice; "
+                  "vs pt / vs 64 = its speedup over mqa_per_token / over pad64 (q padded to 64 heads)")
+    for col in ("scenario", "H", "union", "chosen (ms)", *(SHORT[p] for p in PATH_COLUMNS), "vs pt", "vs 64", "max err"):
+        table.add_column(col, justify="left" if col == "scenario" else "right", no_wrap=True)
     for r in rows:
-        p = r["paths"]
-
-        def cell(name: str, p: dict = p) -> str:
-            return f"{p[name]['ms']:.3f} ({p[name]['tflops']:.0f})" if name in p else "-"
-
-        pad = p.get("per_token_pad64")
         table.add_row(
-            r["scenario"], str(r["heads"]), f"{r['union_ratio']:.2f}", r["auto_path"],
-            cell("per_token"), cell("grouped"), cell("per_token_pad64"),
-            f"{p['grouped']['speedup_vs_per_token']:.2f}x",
-            f"{pad['ms'] / p['grouped']['ms']:.2f}x" if pad else "-",
-            f"{pad['ms'] / p['per_token']['ms']:.2f}x" if pad else "-",
-            f"{r['union_build_ms']:.3f}",
-            f"{max(v['rel_err'] for v in p.values()):.1e}",
+            r["scenario"], str(r["heads"]), _ratio(r["union_ratio"]),
+            f"{SHORT.get(r['chosen_path'], '-')} {_ms(r['chosen_ms'])}", *(_path_ms(r, p) for p in PATH_COLUMNS),
+            _x(r["chosen_speedup_vs_per_token"]), _x(r["chosen_speedup_vs_pad64"]), _err(r["max_rel_err"]),
         )
-    Console().print(table)
+    Console(width=width or (None if sys.stdout.isatty() else 120)).print(table)
 
 
-def write_json(path: str, meta: dict, rows: list[dict]) -> None:
+def markdown_table(rows: list[dict]) -> str:
+    """The README table of a bench JSON's rows: ms per layer call (useful TFLOP/s of the chosen
+    path), every path's ms, speedups of the chosen path, union figures, max rel err."""
+    head = ["scenario", "H", "union ratio (G)", "chosen path", "chosen ms (TFLOP/s)",
+            *(f"{p} ms" for p in PATH_COLUMNS), "chosen vs per_token", "chosen vs pad-64", "union build ms", "max rel err"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        tf = r.get("chosen_tflops")
+        cells = [r["scenario"], str(r["heads"]), f"{_ratio(r['union_ratio'])} ({r['group_size']})", r["chosen_path"] or "-",
+                 f"{_ms(r['chosen_ms'])} ({tf:.0f})" if tf is not None else "-",
+                 *(_path_ms(r, p) for p in PATH_COLUMNS), _x(r["chosen_speedup_vs_per_token"]),
+                 _x(r["chosen_speedup_vs_pad64"]), _ms(r["union_build"]["ms"]), _err(r["max_rel_err"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_json(path: str, meta: dict, rows: list[dict], **extra: object) -> None:
+    """Write {"meta": meta, "results": rows, **extra} to ``path`` (parent folders created)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
-        json.dump({"meta": meta, "results": rows}, f, indent=1)
+        json.dump({"meta": meta, "results": rows, **extra}, f, indent=1)
+
+
+def read_json(path: str) -> tuple[dict, list[dict]]:
+    """(meta, rows) of a ``sparse-mla bench`` JSON.
+
+    Raises:
+        OSError: unreadable file. ValueError: not JSON, or not the layer bench's layout.
+    """
+    with open(path) as f:
+        data = json.load(f)
+    rows = data.get("results") if isinstance(data, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and "paths" in r and "chosen_path" in r for r in rows):
+        raise ValueError(f"{path}: not a `sparse-mla bench` JSON (expected results[] rows with 'paths' and 'chosen_path')")
+    return data.get("meta", {}), rows
 
 
 def plot(path: str, rows: list[dict], interpreted: bool) -> None:
-    """Time per path vs prompt length (pure prefills, cached == 0), one panel per model/TP."""
+    """Time per path vs prompt length for pure prefills (cached == 0), one panel per model/TP,
+    every layer path and the pad-64 baseline, log y."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = sorted({(r["model"], r["tp"]) for r in rows})
+    keys = list(dict.fromkeys((r["model"], r["tp"]) for r in rows))
     fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4.5), squeeze=False)
     for ax, (model, tp) in zip(axes[0], keys):
-        pts = sorted((r for r in rows if r["model"] == model and r["tp"] == tp and r["cached"] == 0), key=lambda r: r["tokens"])
-        for name in PATH_ORDER:
-            xs = [r["tokens"] for r in pts if name in r["paths"]]
-            ys = [r["paths"][name]["ms"] for r in pts if name in r["paths"]]
-            if xs:
-                ax.plot(xs, ys, marker="o", label=name)
+        pts = sorted((r for r in rows if r["model"] == model and r["tp"] == tp and r["cached"] == 0), key=lambda r: r["new"])
+        for name in PATH_COLUMNS:
+            xy = [(r["new"], r["paths"][name]["ms"]) for r in pts if "ms" in r["paths"][name]]
+            if xy:
+                ax.plot(*zip(*xy), marker="o", linestyle="--" if name == "mqa_per_token_pad64" else "-", label=name)
         ax.set_title(f"{model}, TP{tp} ({pts[0]['heads'] if pts else '?'} heads/rank)")
         ax.set_xlabel("prompt tokens (pure prefill)")
-        ax.set_ylabel("ms per layer" + (" (interpreter, not meaningful)" if interpreted else ""))
-        ax.grid(alpha=0.3)
-        ax.legend()
+        ax.set_ylabel("ms per layer call" + (" (interpreter, not meaningful)" if interpreted else ""))
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+__all__ = ["provenance", "print_table", "markdown_table", "write_json", "read_json", "plot", "FIELD_NOTES", "SHORT"]

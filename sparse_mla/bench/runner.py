@@ -1,111 +1,151 @@
-"""Run the benchmark scenarios: every sparse MQA path side by side, checked against the reference.
+"""Run one benchmark scenario at the layer level: every DSA prefill path side by side, each checked
+against the fp32 layer reference, plus the padded-heads baseline and the kernel-level union figures.
 
-Paths per scenario (all on the same q, kv, top-k):
-  per_token        ``sparse_mla_fwd(method="per_token")``: one query's heads per tile.
-  grouped          ``sparse_mla_fwd(method="grouped")`` end to end (union build + attention).
-  per_token_pad64  the per-token kernel on q zero-padded to 64 heads: what engines do on Hopper
-                   with FlashMLA's sparse prefill (64-head minimum); the baseline to beat.
-  auto             the path ``method="auto"`` picks (and why).
-Useful TFLOP/s = 2 * H * (valid rows summed over queries) * (D_qk + 512) / time (per-token FLOPs;
-padded heads and masked union rows count as waste).
+Per scenario (one request: ``cached`` positions in the latent cache, ``new`` tokens, K = topk, H
+heads per rank), on the same inputs (``sparse_mla.bench.inputs``):
+
+* every path of ``sparse_mla.layer.dispatch.PATH_NAMES`` whose ``supports(step)`` holds runs as
+  ``dsa_prefill(**inputs, path=name, out=out)`` (the whole layer call: decompression or absorption,
+  masks or unions, attention, W_UV); ``out`` is NaN-poisoned first, the output checked on sampled
+  token chunks (``check``), then timed (``timing``). A path that does not support the step is
+  recorded with the reason, not timed.
+* ``mqa_per_token_pad64`` (``baselines``): per-token sparse MQA on q zero-padded to 64 heads, what
+  engines run on Hopper with FlashMLA; only when H < 64.
+* the dispatcher's choice, ``sparse_mla.layer.explain(step)``: path and reason. Its time is the
+  measured time of that path above (not a separate run).
+* the union ratio and union build time of the grouped kernel (``union_stats``).
+
+Useful work (TFLOP/s): ``sparse_mla.layer.dispatch.sparse_work`` = 2 H (kv_lora + qk_rope +
+kv_lora) sum over queries of min(topk, window), the same for every path, so a higher figure is a
+faster path. ``floor_ms``: that work at 790 TFLOP/s or the per-token gather of those latent rows
+(kv_lora + qk_rope columns of the cache dtype) at 4.3 TB/s, whichever is longer (H200 peaks).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from ..interface import sparse_mla_fwd
-from ..kernels.union import build_union, plan_groups
-from ..reference import sparse_mla_ref
-from ..selection import resolve_method
-from ..workloads.topk import synthetic_batch
-from ..workspace import SparseMLAWorkspace, default_group_size
+from ..layer import dsa_prefill, explain
+from ..layer.config import causal_sums
+from ..layer.dispatch import PATH_NAMES, PATHS, sparse_work, work_ratio
+from ..workloads.traces import TopkTrace
+from .baselines import PAD64_NAME, mqa_per_token_pad64, pad64_supports
+from .check import chunk_bounds, max_rel_err, reference_chunks
+from .inputs import layer_step, make_inputs, trace_inputs
 from .scenarios import Scenario
-from .timing import time_ms
+from .timing import time_trials
+from .union_stats import union_stats
 
-D_V = 512
+CHECK_TOL = 1e-2  # relative Frobenius error a path may have against the fp32 reference (bf16 / fp16)
+PEAK_FLOPS = 790e12  # H200 dense bf16 tensor-core FLOP/s
+PEAK_BYTES = 4.3e12  # H200 HBM bytes/s (sustained)
 
 
-def _sample_rows(T: int, n: int = 16) -> torch.Tensor:
-    return torch.unique(torch.linspace(0, T - 1, steps=min(n, T)).round().long())
+def floor_ms(step, elem_bytes: int) -> float:
+    """Roofline of the per-token sparse path in ms: max(sparse_work / PEAK_FLOPS, gathered latent
+    bytes / PEAK_BYTES), gathered bytes = sum(min(topk, window)) * (kv_lora + qk_rope) * elem_bytes."""
+    keys = sum(causal_sums(c, n, step.topk) for c, n in zip(step.cached_lens, step.new_lens))
+    return max(sparse_work(step) / PEAK_FLOPS, keys * step.latent_d_qk * elem_bytes / PEAK_BYTES) * 1e3
 
 
-def run_scenario(sc: Scenario, *, dtype: torch.dtype, device: torch.device, overlap: str, seed: int = 0,
-                 trace_indices: torch.Tensor | None = None, trace_valid: torch.Tensor | None = None) -> dict:
-    """Time every path of one scenario; returns a JSON-ready dict (times in ms, rates in TFLOP/s).
+def _measure(fn: Callable[[], object], support: tuple[bool, str], out: torch.Tensor, refs: list, *, useful: int,
+             on_gpu: bool, trials: int, tol: float) -> dict:
+    """Check then time one path: {"supported", "reason"} plus, when supported, "rel_err",
+    "check_ok", the ``time_trials`` keys and "tflops" (or "error" if it raised)."""
+    ok, why = support
+    rec: dict = {"supported": ok, "reason": why}
+    if not ok:
+        return rec
+    try:
+        out.fill_(float("nan"))
+        fn()
+        err = max_rel_err(out, refs)
+        rec.update(rel_err=err, check_ok=bool(err < tol))  # NaN fails
+        rec.update(time_trials(fn, on_gpu=on_gpu, trials=trials))
+        rec["tflops"] = useful / (rec["ms"] * 1e-3) / 1e12
+    except Exception as e:  # recorded (e.g. out of memory) so that one path does not end the run
+        rec["error"] = f"{type(e).__name__}: {e}"
+        if on_gpu:
+            torch.cuda.empty_cache()
+    return rec
 
-    With ``trace_indices`` [T, K] int32 (global rows into a cache of max+1 rows) and
-    ``trace_valid`` [T] int32 from an engine dump, those lists replace the synthetic ones.
+
+def _ratio(num: dict | None, den: dict) -> float | None:
+    return num["ms"] / den["ms"] if num and "ms" in num and "ms" in den else None
+
+
+def run_scenario(sc: Scenario, *, dtype: torch.dtype, device: torch.device, overlap: str = "mid", seed: int = 0,
+                 trials: int = 1, trace: TopkTrace | None = None, tol: float = CHECK_TOL) -> dict:
+    """Check and time every layer path of one scenario (module docstring).
+
+    Args:
+        sc: the scenario (with a trace, its cached / new must be the trace's: N - T and T).
+        dtype: q / kv / weight dtype (bf16 or fp16); device: CUDA, or CPU under TRITON_INTERPRET=1.
+        overlap: synthetic top-k preset; ignored with ``trace``.
+        seed: inputs and synthetic lists.
+        trials: timing trials per path (``timing.time_trials``).
+        trace: an engine's top-k lists (topk [T, K], valid [T] int32) instead of synthetic ones.
+        tol: rel_err above which a path's check fails.
+
+    Returns:
+        JSON-ready dict (times in ms, rates in TFLOP/s; keys described in ``report.FIELD_NOTES``), with
+        "failures": the paths whose check failed or that raised.
     """
     on_gpu = device.type == "cuda"
-    H, D = sc.heads, sc.model.d_qk
-    if trace_indices is None:
-        batch = synthetic_batch([sc.cached], [sc.new], sc.topk, overlap, seed=seed, device=device)
-        indices, valid, N = batch.indices, batch.valid, batch.num_kv_rows
+    if trace is None:
+        inputs = make_inputs(sc.model, sc.cached, sc.new, sc.topk, sc.heads, overlap, seed, device, dtype)
     else:
-        indices, valid = trace_indices.to(device), trace_valid.to(device)
-        N = int(indices.max().item()) + 1
-    T, K = indices.shape
-    g = torch.Generator(device=device).manual_seed(seed)
-    q = torch.randn(T, H, D, generator=g, device=device).to(dtype)
-    kv = torch.randn(N, D, generator=g, device=device).to(dtype)
-    scale = sc.model.sm_scale
-    cu = torch.tensor([0, T], dtype=torch.int32, device=device)
-    G = default_group_size(H)
-    ws = SparseMLAWorkspace(T, K, G, N, device)
-    out = torch.empty(T, H, D_V, dtype=dtype, device=device)
-    valid_total = int(valid.long().sum().item())
-    flops = 2 * H * valid_total * (D + D_V)
+        inputs = trace_inputs(sc.model, trace.topk, trace.valid, sc.heads, seed, device, dtype)
+    step = layer_step(inputs)
+    supports = {name: PATHS[name].supports(step) for name in PATH_NAMES}
+    try:
+        decision = explain(step)
+        chosen_name, chosen_reason = decision.path, decision.reason
+    except ValueError as e:  # no path supports the step: every path is recorded as unsupported
+        chosen_name, chosen_reason = None, str(e)
+    T, H = step.num_tokens, step.num_heads
+    refs = reference_chunks(inputs, chunk_bounds(T))
+    out = torch.empty(T, H, step.v_head_dim, dtype=dtype, device=device)
+    useful = sparse_work(step)
 
-    rows = _sample_rows(T)
-    ref, _ = sparse_mla_ref(q[rows], kv, indices[rows], scale, topk_length=valid[rows])
+    def forced(name: str) -> Callable[[], object]:
+        return lambda: dsa_prefill(**inputs, path=name, out=out)
 
-    def rel_err(o: torch.Tensor) -> float:
-        o = o.float()
-        return float((o - ref).norm() / ref.norm().clamp_min(1e-30))
-
-    paths: dict[str, dict] = {}
-
-    def record(name: str, fn, out_rows) -> None:
-        fn()
-        err = rel_err(out_rows())
-        t = time_ms(fn, on_gpu=on_gpu)
-        paths[name] = {**t, "tflops": flops / t["ms"] / 1e9, "rel_err": err}
-
-    record("per_token", lambda: sparse_mla_fwd(q, kv, indices, scale, topk_length=valid, method="per_token", out=out),
-           lambda: out[rows])
-    record("grouped", lambda: sparse_mla_fwd(q, kv, indices, scale, topk_length=valid, method="grouped",
-                                             cu_seqlens_q=cu, workspace=ws, out=out), lambda: out[rows])
-    n_groups = T // G
-
-    def union_only() -> None:
-        plan_groups(T, G, cu, ws.group_start, ws.group_len, ws.route[:T])
-        build_union(indices, valid, N, G, ws.group_start, ws.group_len, ws.route[:T], ws.union_tables,
-                    ws.union_table_bits, ws.union_rows, ws.union_bits, ws.union_len, guard_ratio=None)
-
-    union_only()
-    union_rows = ws.union_len[:n_groups].double().mean().item() if n_groups else float("nan")
-    per_group_valid = valid[: n_groups * G].double().view(-1, G).mean(1).mean().item() if n_groups else float("nan")
-    union_ratio = union_rows / per_group_valid if n_groups else float("nan")
-    union_t = time_ms(union_only, on_gpu=on_gpu)
-    if H < 64:
-        q64 = torch.zeros(T, 64, D, dtype=dtype, device=device)
-        q64[:, :H] = q
-        out64 = torch.empty(T, 64, D_V, dtype=dtype, device=device)
-        record("per_token_pad64", lambda: sparse_mla_fwd(q64, kv, indices, scale, topk_length=valid, method="per_token",
-                                                          out=out64), lambda: out64[rows, :H])
-        del q64, out64
-    chosen, reason = resolve_method("auto", H, T)
-    base = paths["per_token"]["ms"]
-    for p in paths.values():
-        p["speedup_vs_per_token"] = base / p["ms"]
-        if "per_token_pad64" in paths:
-            p["speedup_vs_pad64"] = paths["per_token_pad64"]["ms"] / p["ms"]
+    runs = {name: (supports[name], forced(name)) for name in PATH_NAMES}
+    runs[PAD64_NAME] = (pad64_supports(step), lambda: mqa_per_token_pad64(inputs, out))
+    paths = {name: _measure(fn, support, out, refs, useful=useful, on_gpu=on_gpu, trials=trials, tol=tol)
+             for name, (support, fn) in runs.items()}
+    pt, pad = paths.get("mqa_per_token"), paths.get(PAD64_NAME)
+    for rec in paths.values():
+        if "ms" in rec:
+            rec["speedup_vs_per_token"] = _ratio(pt, rec)
+            rec["speedup_vs_pad64"] = _ratio(pad, rec)
+    union = union_stats(inputs, H, on_gpu=on_gpu, trials=trials)
+    timed = {name: rec["ms"] for name, rec in paths.items() if "ms" in rec}
+    chosen = paths.get(chosen_name, {})
+    errs = [rec["rel_err"] for rec in paths.values() if "rel_err" in rec]
+    failures = [f"{name}: {rec['error']}" if "error" in rec else f"{name}: rel_err {rec['rel_err']:.2e} >= {tol}"
+                for name, rec in paths.items() if "error" in rec or rec.get("check_ok") is False]
+    m = sc.model
     return {
-        "scenario": sc.name, "model": sc.model.name, "tp": sc.tp, "heads": H, "d_qk": D, "cached": sc.cached,
-        "new": sc.new, "tokens": T, "topk": K, "kv_rows": N, "valid_rows_mean": valid_total / max(T, 1),
-        "group_size": G, "union_ratio": union_ratio, "union_build_ms": union_t["ms"],
-        "useful_tflop": flops / 1e12, "auto_path": chosen, "auto_reason": reason, "paths": paths,
-        # roofline of the per-token path: FLOPs at 790 TFLOP/s vs every query gathering its rows at 4.3 TB/s
-        "floor_ms_per_token": max(flops / 790e12, valid_total * D * 2 / 4.3e12) * 1e3,
+        "scenario": sc.name, "model": m.name, "tp": sc.tp, "heads": H,
+        "dims": {"kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
+                 "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim},
+        "cached": step.cached_lens[0], "new": T, "topk": step.topk, "kv_rows": inputs["kv"].shape[0],
+        "useful_tflop": useful / 1e12, "work_ratio": work_ratio(step),
+        "floor_ms": floor_ms(step, torch.empty((), dtype=dtype).element_size()),
+        "group_size": union["group_size"], "union_ratio": union["union_ratio"], "union_build": union["union_build"],
+        "chosen_path": chosen_name, "chosen_reason": chosen_reason,
+        "chosen_ms": chosen.get("ms"), "chosen_tflops": chosen.get("tflops"),
+        "chosen_speedup_vs_per_token": chosen.get("speedup_vs_per_token"),
+        "chosen_speedup_vs_pad64": chosen.get("speedup_vs_pad64"),
+        "best_path": min(timed, key=timed.get) if timed else None,
+        "max_rel_err": max(errs) if errs and all(e == e for e in errs) else float("nan"),
+        "failures": failures,
+        "paths": paths,
     }
+
+
+__all__ = ["run_scenario", "floor_ms", "CHECK_TOL", "PEAK_FLOPS", "PEAK_BYTES"]

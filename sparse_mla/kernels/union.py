@@ -76,12 +76,31 @@ def _plan_groups_kernel(
 
 
 
+@triton.jit
+def _cas_where(ptr, cmp, val, act, PRED_CAS: tl.constexpr):
+    """atomic CAS issued by the lanes with ``act`` only (old value -1 elsewhere) when PRED_CAS;
+    else every lane CASes (a lane with nothing to insert passes cmp == val == -1, a no-op that
+    still costs an atomic). tl.atomic_cas has no mask; the predicated form is inline PTX, which the
+    interpreter cannot run."""
+    if PRED_CAS:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .pred %p;
+            setp.ne.s32 %p, $4, 0;
+            mov.b32 $0, -1;
+            @%p atom.relaxed.gpu.global.cas.b32 $0, [$1], $2, $3;
+            }""",
+            "=r,l,r,r,r", [ptr, cmp, val, act.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        return tl.atomic_cas(ptr, cmp, tl.where(act, val, -1))
+
+
 @triton.jit(do_not_specialize=["num_groups"])
 def _build_union_kernel(
     IDX, TOPK_LEN, GROUP_START, GROUP_LEN, ROUTE, TABLE, TABLE_BITS, ROWS, BITS, ULEN,
     stride_it, stride_rg, N, K, num_groups, guard_ratio,
     G_P: tl.constexpr, K_P: tl.constexpr, LOG_S: tl.constexpr, BLOCK_C: tl.constexpr,
-    HAS_TOPK_LEN: tl.constexpr, GUARD: tl.constexpr,
+    HAS_TOPK_LEN: tl.constexpr, GUARD: tl.constexpr, PRED_CAS: tl.constexpr,
 ):
     """Persistent: program p owns hash table p (2**LOG_S slots, all -1 / 0 between calls) and
     builds the unions of groups p, p + nprog, ... Open addressing with linear probing: every
@@ -121,7 +140,7 @@ def _build_union_kernel(
             n_act = tl.sum(act.to(tl.int32), 0)
             n_valid = n_act
             while n_act > 0:
-                old = tl.atomic_cas(table + h, tl.full([TOTAL], -1, tl.int32), tl.where(act, row, -1))
+                old = _cas_where(table + h, tl.full([TOTAL], -1, tl.int32), row, act, PRED_CAS)
                 placed = act & ((old == -1) | (old == row))
                 inserted = act & (old == -1)
                 tl.atomic_or(table_bits + h, qbit, mask=placed)
@@ -174,7 +193,7 @@ def build_union(
     indices: torch.Tensor, topk_length: torch.Tensor | None, num_kv_rows: int, group_size: int,
     group_start: torch.Tensor, group_len: torch.Tensor, route: torch.Tensor,
     tables: torch.Tensor, table_bits: torch.Tensor, rows: torch.Tensor, bits: torch.Tensor, union_len: torch.Tensor,
-    guard_ratio: float | None = None,
+    guard_ratio: float | None = None, predicated_cas: bool | None = None,
 ) -> None:
     """Launch the union builder over ``group_start.shape[0]`` groups (buffers from a workspace).
 
@@ -183,6 +202,8 @@ def build_union(
     Writes rows / bits [num_groups, >= G * K] int32 (first union_len[g] entries, unsorted) and
     union_len. With ``guard_ratio``, a group whose union holds more than ``guard_ratio`` times its
     mean valid list length gets ``group_len = 0`` and its tokens ``route = 1`` (they run per token).
+    ``predicated_cas`` (default: on CUDA) issues the probing CAS from the still-active lanes only
+    (inline PTX); False keeps ``tl.atomic_cas`` on every lane, the interpreter's form.
     """
     num_groups = group_start.shape[0]
     if num_groups == 0:
@@ -197,5 +218,6 @@ def build_union(
         tables, table_bits, rows, bits, union_len,
         indices.stride(0), rows.stride(0), num_kv_rows, K, num_groups, float(guard_ratio or 0.0),
         G_P=g_p, K_P=k_p, LOG_S=slots.bit_length() - 1, BLOCK_C=1024,
-        HAS_TOPK_LEN=topk_length is not None, GUARD=guard_ratio is not None, num_warps=warps,
+        HAS_TOPK_LEN=topk_length is not None, GUARD=guard_ratio is not None,
+        PRED_CAS=indices.is_cuda if predicated_cas is None else bool(predicated_cas), num_warps=warps,
     )

@@ -6,11 +6,12 @@ Automatic order (the first that applies wins):
 
 1. ``dense_mha`` when every top-k list is the whole causal window (``PrefillStep.dense_eligible``):
    it does the fewest FLOPs at the best rate.
-2. ``masked_mha`` when the MHA work over the causal windows is at most
-   ``masked_mha_max_work_ratio`` (per heads-per-rank bucket) times the sparse MQA work over the
-   top-k, and no window exceeds ``masked_mha_max_window``.
+2. ``masked_mha`` when the MHA work over the causal windows is at most a limit times the sparse
+   MQA work over the top-k (``THRESHOLDS``: one row per heads-per-rank bucket, with one limit for
+   pure prefills and one for steps with a cached prefix) and no window exceeds the row's
+   ``masked_max_window``.
 3. ``mqa_grouped`` when H <= 64 (two or more queries per 128-row tile) and the step has at least
-   ``grouped_min_tokens`` new tokens.
+   the row's ``grouped_min_tokens`` new tokens.
 4. ``mqa_per_token``.
 5. Any path whose ``supports`` holds (e.g. masked MHA for dims the MQA kernels do not take).
 
@@ -40,26 +41,39 @@ ENV_VAR = "SPARSE_MLA_PATH"
 PATHS = {p.name: p for p in (DenseMHA(), MaskedMHA(), SparseMQA("grouped"), SparseMQA("per_token"))}
 PATH_NAMES = tuple(PATHS)
 
+@dataclass(frozen=True)
+class HeadsThresholds:
+    """The crossover limits for steps with at most ``max_heads`` heads per rank (one table row).
+
+    The work ratio is ``mha_work / sparse_work`` (MHA FLOPs over every query's whole causal window
+    over sparse MQA FLOPs over its top-k). Pure prefills and steps with a cached prefix get separate
+    masked-MHA limits: in a pure prefill the top-k of the early queries covers most of their short
+    windows and the masked kernel skips whole key tiles; behind a cached prefix it rarely can
+    (measured: masked MHA won at ratio 1.08 on a pure 8K prompt and lost by 25% at ratio 1.03 after
+    a 6K cache, H = 16).
+    """
+
+    max_heads: int
+    masked_max_ratio_pure: float  # masked MHA when no request with new tokens has a cached prefix ...
+    masked_max_ratio_cached: float  # ... or when some has, and the work ratio is at most this
+    masked_max_window: int  # and no request window (cached + new) is longer than this
+    grouped_min_tokens: int  # grouped sparse MQA (else per token) from this many new tokens
+
+
 # ---------------------------------------------------------------------------------------------
-# Crossover thresholds: the ONE table. Measured by `python scripts/sweep_paths.py` on an H200
-# (it prints the values its timings imply and writes them to $OUT/sweep_paths.json).
-# Current values are ESTIMATES from KERNEL-NOTES.md until that run: dense / masked MHA ~400 TFLOP/s
-# at any head count; sparse MQA ~250 (grouped, H 16), ~300 (H 32), ~330 (H 64), ~500 (per token,
-# H 128) TFLOP/s of useful work. Masked MHA wins when work_mha / work_sparse < rate_mha / rate_sparse.
+# Crossover thresholds: the ONE table. Measured on an H200 by `python scripts/sweep_paths.py`
+# (results/sweep_paths.json): the script prints the rows its timings imply, fitted by
+# sparse_mla.layer.calibration.fit_thresholds so that the automatic choice is within 5% of the
+# best path on every measured point; tests/test_dispatch.py re-checks that on the committed JSON.
+# NEVER (2**31 tokens) turns grouping off for a bucket; path="mqa_grouped" still forces it.
 # ---------------------------------------------------------------------------------------------
-# Measured on the H200 by scripts/sweep_paths.py (results/sweep_paths.json, rev d497e03): the
-# masked-MHA limits are the sweep's suggested ones (H = 16: between the last win at 1.08 and the
-# first loss at 1.03, so 1.05); grouping never beat per token at H >= 32 and only at 6 of 21 points
-# at H = 16 (the union build costs more than it saves: NOTES-GPU.md), so the automatic choice does
-# not group (grouped_min_tokens above any step); path="mqa_grouped" still forces it.
-THRESHOLDS = {
-    # (max heads per rank, largest work_mha / work_sparse at which masked MHA is chosen)
-    "masked_mha_max_work_ratio": ((16, 1.05), (32, 0.83), (64, 0.67), (128, 0.51)),
-    # masked MHA only when no request window (cached + new) is longer than this
-    "masked_mha_max_window": 16384,
-    # grouped sparse MQA only when the step has at least this many new tokens (else per token)
-    "grouped_min_tokens": 2**31,
-}
+NEVER = 2**31
+THRESHOLDS: tuple[HeadsThresholds, ...] = (
+    HeadsThresholds(16, 1.05, 0.8, 16384, NEVER),
+    HeadsThresholds(32, 0.83, 0.6, 16384, NEVER),
+    HeadsThresholds(64, 0.67, 0.5, 16384, NEVER),
+    HeadsThresholds(128, 0.51, 0.4, 16384, NEVER),
+)
 
 
 class PathFallbackWarning(UserWarning):
@@ -84,13 +98,25 @@ def work_ratio(step: PrefillStep) -> float:
     return mha_work(step) / s if s else float("inf")
 
 
-def masked_ratio_limit(num_heads: int) -> float:
-    """The table's masked-MHA work-ratio limit for this many heads per rank."""
-    table = THRESHOLDS["masked_mha_max_work_ratio"]
-    for heads, ratio in table:
-        if num_heads <= heads:
-            return ratio
-    return table[-1][1]
+def has_cached_prefix(step: PrefillStep) -> bool:
+    """Whether some request with new tokens has a cached prefix (chunked prefill, prefix cache)."""
+    return any(c > 0 for c, n in zip(step.cached_lens, step.new_lens) if n > 0)
+
+
+def thresholds_for(num_heads: int, table: tuple[HeadsThresholds, ...] | None = None) -> HeadsThresholds:
+    """The row of ``table`` (default ``THRESHOLDS``) for ``num_heads`` heads per rank: the first
+    with max_heads >= num_heads, the last beyond the table."""
+    table = table or THRESHOLDS
+    for row in table:
+        if num_heads <= row.max_heads:
+            return row
+    return table[-1]
+
+
+def masked_ratio_limit(step: PrefillStep, table: tuple[HeadsThresholds, ...] | None = None) -> float:
+    """The largest work ratio at which the automatic choice runs masked MHA for ``step``."""
+    row = thresholds_for(step.num_heads, table)
+    return row.masked_max_ratio_cached if has_cached_prefix(step) else row.masked_max_ratio_pure
 
 
 @dataclass(frozen=True)
@@ -126,18 +152,23 @@ def _requested(path: str | None) -> tuple[str | None, str]:
     return env, f"{ENV_VAR}="
 
 
-def _auto(step: PrefillStep, sup: dict[str, tuple[bool, str]], ratio: float) -> tuple[str, str]:
+def auto_path(step: PrefillStep, sup: dict[str, tuple[bool, str]], ratio: float,
+              table: tuple[HeadsThresholds, ...] | None = None) -> tuple[str, str]:
+    """The automatic choice (path, reason) given every path's ``supports`` answer and the work
+    ratio, under ``table`` (default: ``THRESHOLDS``; the calibration tries candidate tables)."""
+    row = thresholds_for(step.num_heads, table)
     if sup["dense_mha"][0]:
         return "dense_mha", sup["dense_mha"][1]
-    limit = masked_ratio_limit(step.num_heads)
-    max_win = THRESHOLDS["masked_mha_max_window"]
+    limit = masked_ratio_limit(step, table)
+    max_win = row.masked_max_window
+    kind = "with a cached prefix" if has_cached_prefix(step) else "pure prefill"
     if sup["masked_mha"][0] and ratio <= limit and step.max_window <= max_win:
-        return "masked_mha", (f"MHA/sparse work ratio {ratio:.2f} <= {limit} for H = {step.num_heads} "
+        return "masked_mha", (f"MHA/sparse work ratio {ratio:.2f} <= {limit} for H = {step.num_heads} ({kind}) "
                               f"and longest window {step.max_window} <= {max_win}")
     why_not_masked = (sup["masked_mha"][1] if not sup["masked_mha"][0] else
-                      f"MHA/sparse work ratio {ratio:.2f} > {limit}" if ratio > limit else
+                      f"MHA/sparse work ratio {ratio:.2f} > {limit} ({kind})" if ratio > limit else
                       f"longest window {step.max_window} > {max_win}")
-    min_tok = THRESHOLDS["grouped_min_tokens"]
+    min_tok = row.grouped_min_tokens
     if sup["mqa_grouped"][0] and step.num_tokens >= min_tok:
         return "mqa_grouped", (f"H = {step.num_heads} <= 64 and T = {step.num_tokens} >= {min_tok}; "
                                f"not masked MHA: {why_not_masked}")
@@ -172,7 +203,7 @@ def explain(step: PrefillStep, path: str | None = None) -> PathDecision:
     ratio = work_ratio(step)
     if requested is not None and sup[requested][0]:
         return PathDecision(requested, f"forced by {source}{requested}", requested, False, sup, ratio)
-    name, why = _auto(step, sup, ratio)
+    name, why = auto_path(step, sup, ratio)
     if requested is not None:
         why = f"forced {requested} ({source}) does not support the step: {sup[requested][1]}; fell back to {name}: {why}"
         return PathDecision(name, why, requested, True, sup, ratio)
@@ -198,5 +229,6 @@ def decide_and_log(step: PrefillStep, path: str | None = None) -> PathDecision:
     return d
 
 
-__all__ = ["PATHS", "PATH_NAMES", "THRESHOLDS", "ENV_VAR", "PathDecision", "PathFallbackWarning", "explain",
-           "choose_path", "decide_and_log", "mha_work", "sparse_work", "work_ratio", "masked_ratio_limit"]
+__all__ = ["PATHS", "PATH_NAMES", "THRESHOLDS", "NEVER", "ENV_VAR", "HeadsThresholds", "PathDecision",
+           "PathFallbackWarning", "explain", "choose_path", "decide_and_log", "auto_path", "mha_work", "sparse_work",
+           "work_ratio", "thresholds_for", "masked_ratio_limit", "has_cached_prefix"]

@@ -189,27 +189,61 @@ class SparseMQA:
     def run(self, p: DSAPrefillProblem, out: torch.Tensor) -> torch.Tensor:
         """Write o [T, H, v_head_dim] into ``out``: q_nope @ W_UK -> sparse_mla_fwd -> @ W_UV^T, with
         out-of-window entries turned into padding first (the layer semantics)."""
-        from ..interface import sparse_mla_fwd
-
-        T, H, _ = p.q_nope.shape
-        r, dr = p.step.kv_lora_rank, p.step.qk_rope_head_dim
-        dev = p.q_nope.device
-        q = torch.empty(T, H, r + dr, dtype=p.q_nope.dtype, device=dev)
-        q[..., :r] = torch.bmm(p.q_nope.transpose(0, 1), p.w_uk).transpose(0, 1)
-        if p.q_pe is not None:
-            q[..., r:] = p.q_pe
-        kv_rows = p.kv_rows
-        if kv_rows is None:
-            logger.debug("dsa_prefill: kv_c and k_pe are separate buffers; copying them into one [N, %d] row tensor", r + dr)
-            kv_rows = torch.cat([p.kv_c, p.k_pe], dim=-1)
-        lo, win = token_windows(p.step.new_lens, p.step.cached_lens, p.row_offsets, dev)
-        idx = restrict_to_windows(p.indices, lo, win)
-        cu = torch.tensor([0, *torch.tensor(p.step.new_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
-        latent = sparse_mla_fwd(q, kv_rows, idx, p.sm_scale, d_v=r, topk_length=p.topk_length,
-                                method=self.method, cu_seqlens_q=cu)
-        out.copy_(torch.bmm(latent.transpose(0, 1), p.w_uv.transpose(1, 2)).transpose(0, 1))
-        return out
+        return absorbed_mqa(p, out, self.method)
 
 
-__all__ = ["DenseMHA", "MaskedMHA", "SparseMQA", "decompress", "mha_keys", "mha_queries", "window_rows",
-           "decompressed_bytes", "mask_bytes"]
+def absorb_queries(p: DSAPrefillProblem, q_heads: int | None = None) -> torch.Tensor:
+    """The absorbed query, [T, q_heads, kv_lora_rank + qk_rope] in q_nope's dtype on its device:
+    concat(q_nope[t, h] @ W_UK[h], q_pe[t, h]) for the H real heads, zeros for heads H .. q_heads - 1
+    (padding for a kernel with a head minimum). ``q_heads`` defaults to H.
+
+    Raises:
+        ValueError: q_heads < H.
+    """
+    T, H, _ = p.q_nope.shape
+    q_heads = H if q_heads is None else q_heads
+    if q_heads < H:
+        raise ValueError(f"q_heads must be >= H = {H}, got {q_heads}")
+    r, dr = p.step.kv_lora_rank, p.step.qk_rope_head_dim
+    alloc = torch.zeros if q_heads > H else torch.empty
+    q = alloc(T, q_heads, r + dr, dtype=p.q_nope.dtype, device=p.q_nope.device)
+    q[:, :H, :r] = torch.bmm(p.q_nope.transpose(0, 1), p.w_uk).transpose(0, 1)
+    if p.q_pe is not None:
+        q[:, :H, r:] = p.q_pe
+    return q
+
+
+def absorbed_mqa(p: DSAPrefillProblem, out: torch.Tensor, method: str, q_heads: int | None = None) -> torch.Tensor:
+    """The absorbed (MQA) form of the step, written into ``out`` [T, H, v_head_dim] (q's dtype):
+    ``absorb_queries`` -> ``sparse_mla_fwd(method=method)`` over the latent rows [N, r + qk_rope]
+    (entries outside each token's causal window turned into padding, groups inside requests) ->
+    latent of the H real heads @ W_UV^T.
+
+    Args:
+        p: the validated problem (kv_lora_rank and qk_rope the MQA kernels take).
+        out: o [T, H, v_head_dim], written and returned.
+        method: ``sparse_mla_fwd``'s "per_token" or "grouped".
+        q_heads: heads of the query handed to the kernel, zero-padded beyond H (default H): the
+            64-head minimum of FlashMLA's sparse prefill, which engines pad to on Hopper (the
+            benchmark's baseline, ``sparse_mla.bench.baselines``).
+    """
+    from ..interface import sparse_mla_fwd
+
+    H = p.q_nope.shape[1]
+    r, dr = p.step.kv_lora_rank, p.step.qk_rope_head_dim
+    dev = p.q_nope.device
+    q = absorb_queries(p, q_heads)
+    kv_rows = p.kv_rows
+    if kv_rows is None:
+        logger.debug("dsa_prefill: kv_c and k_pe are separate buffers; copying them into one [N, %d] row tensor", r + dr)
+        kv_rows = torch.cat([p.kv_c, p.k_pe], dim=-1)
+    lo, win = token_windows(p.step.new_lens, p.step.cached_lens, p.row_offsets, dev)
+    idx = restrict_to_windows(p.indices, lo, win)
+    cu = torch.tensor([0, *torch.tensor(p.step.new_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    latent = sparse_mla_fwd(q, kv_rows, idx, p.sm_scale, d_v=r, topk_length=p.topk_length, method=method, cu_seqlens_q=cu)
+    out.copy_(torch.bmm(latent[:, :H].transpose(0, 1), p.w_uv.transpose(1, 2)).transpose(0, 1))
+    return out
+
+
+__all__ = ["DenseMHA", "MaskedMHA", "SparseMQA", "absorb_queries", "absorbed_mqa", "decompress", "mha_keys", "mha_queries",
+           "window_rows", "decompressed_bytes", "mask_bytes"]

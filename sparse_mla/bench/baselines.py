@@ -1,0 +1,52 @@
+"""Baselines the layer paths are measured against, which the package does not dispatch to.
+
+``mqa_per_token_pad64``: what engines do on Hopper with FlashMLA's sparse prefill, whose kernels
+take at least 64 heads: absorb q_nope through W_UK (as ``SparseMQA.run``), zero-pad the absorbed
+query to 64 heads, run the per-token sparse MQA kernel on all 64, and project only the real H heads'
+latent through W_UV. It is our per-token kernel on the padded query (not FlashMLA itself), so it
+isolates the cost of padding. Defined only for H < 64 (at 64 heads and more nothing is padded).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layer.config import PrefillStep, validate_dsa_prefill_args
+from ..layer.dispatch import PATH_NAMES
+from ..layer.paths import SparseMQA, absorbed_mqa
+
+PAD64_NAME = "mqa_per_token_pad64"
+PAD_HEADS = 64  # FlashMLA's sparse prefill head minimum on Hopper
+PATH_COLUMNS = (*PATH_NAMES, PAD64_NAME)  # every path the benchmark times: the layer paths, then this baseline
+
+
+def pad64_supports(step: PrefillStep) -> tuple[bool, str]:
+    """(ok, reason): the per-token MQA path supports the step and H < 64."""
+    ok, why = SparseMQA("per_token").supports(step)
+    if not ok:
+        return False, why
+    if step.num_heads >= PAD_HEADS:
+        return False, f"H = {step.num_heads} >= {PAD_HEADS}: nothing to pad (the same as mqa_per_token)"
+    return True, f"per-token sparse MQA on q zero-padded from {step.num_heads} to {PAD_HEADS} heads (FlashMLA's minimum)"
+
+
+def mqa_per_token_pad64(inputs: dict, out: torch.Tensor) -> torch.Tensor:
+    """The padded baseline of one step, validated like ``dsa_prefill`` and written into ``out``.
+
+    Args:
+        inputs: ``dsa_prefill`` keyword arguments (``sparse_mla.bench.inputs``): q_nope
+            [T, H, qk_nope] bf16/fp16, q_pe, kv, w_kv_b, indices [T, K] int32, lengths, sm_scale.
+        out: o [T, H, v_head_dim] in q's dtype on q's device (written and returned).
+
+    Raises:
+        ValueError: the step is not supported (``pad64_supports``) or invalid inputs
+            (``validate_dsa_prefill_args``).
+    """
+    p = validate_dsa_prefill_args(**inputs)
+    ok, why = pad64_supports(p.step)
+    if not ok:
+        raise ValueError(f"{PAD64_NAME}: {why}")
+    return absorbed_mqa(p, out, "per_token", q_heads=PAD_HEADS)
+
+
+__all__ = ["PAD64_NAME", "PAD_HEADS", "PATH_COLUMNS", "pad64_supports", "mqa_per_token_pad64"]

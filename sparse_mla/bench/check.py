@@ -1,0 +1,55 @@
+"""Output check of a benchmarked path: relative Frobenius error against the fp32 layer reference
+(``sparse_mla.layer.dsa_prefill_ref``) on a few sampled chunks of tokens.
+
+The reference is per token, so a chunk lo .. hi-1 is its own step (``inputs.sub_problem``); three
+chunks of at most 16 tokens (start, middle, end of the prompt) cover the shortest and the longest
+windows without an fp32 run over the whole prompt.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layer.paths import MQA_KV_LORA_RANKS, MQA_ROPE_DIMS
+from ..layer.reference import dsa_prefill_ref
+from .inputs import sub_problem
+
+Chunk = tuple[int, int, torch.Tensor]  # (lo, hi, reference o [hi - lo, H, v_head_dim] fp32)
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """||x - ref||_F / ||ref||_F in fp32 (the absolute error when ref is all zero); NaN in x gives NaN."""
+    x, ref = x.float(), ref.float()
+    d = ref.norm().item()
+    return (x - ref).norm().item() / d if d > 0 else (x - ref).norm().item()
+
+
+def chunk_bounds(tokens: int, chunks: int = 3, size: int = 16) -> list[tuple[int, int]]:
+    """Up to ``chunks`` distinct [lo, hi) token ranges of at most ``size`` tokens, spread from the
+    first token to the last (start, middle, end for the default three)."""
+    size = min(size, tokens)
+    if size == 0:
+        return []
+    starts = [round(i * (tokens - size) / max(chunks - 1, 1)) for i in range(chunks)]
+    return [(lo, lo + size) for lo in sorted(set(starts))]
+
+
+def reference_chunks(inp: dict, bounds: list[tuple[int, int]]) -> list[Chunk]:
+    """fp32 layer reference of each token range of a one-request point (``inputs`` dict). Uses the
+    absorbed form where ``sparse_mla_ref`` takes the dims, else the MHA form."""
+    r = inp["kv"].shape[1] - (0 if inp["q_pe"] is None else inp["q_pe"].shape[2])
+    dr = inp["kv"].shape[1] - r
+    form = "mqa" if r in MQA_KV_LORA_RANKS and dr in MQA_ROPE_DIMS else "mha"
+    return [(lo, hi, dsa_prefill_ref(**sub_problem(inp, lo, hi), form=form)) for lo, hi in bounds]
+
+
+def max_rel_err(out: torch.Tensor, refs: list[Chunk]) -> float:
+    """Largest ``rel_err`` of out[lo:hi] (out: [T, H, v_head_dim]) over the reference chunks
+    (NaN if any is NaN, e.g. an unwritten NaN-poisoned output)."""
+    errs = [rel_err(out[lo:hi], ref) for lo, hi, ref in refs]
+    if any(e != e for e in errs):
+        return float("nan")
+    return max(errs, default=float("nan"))
+
+
+__all__ = ["rel_err", "chunk_bounds", "reference_chunks", "max_rel_err"]

@@ -1,0 +1,140 @@
+"""Calibration of the dispatcher against a measured crossover sweep (plain Python, no tensors).
+
+A sweep (``scripts/sweep_paths.py`` on the H200, committed as ``results/sweep_paths.json``) holds,
+per point (model layout, heads per rank, cached + new tokens), the time of every path. This module
+
+* re-evaluates the dispatcher's automatic choice on every measured point (``evaluate``): the chosen
+  path's time over the best measured time, the figure the layer issue bounds by 1.05;
+* fits ``dispatch.THRESHOLDS`` to the sweep (``fit_thresholds``): per heads-per-rank bucket, the
+  masked-MHA pure / cached work-ratio limits, its window limit and the grouped token threshold
+  that minimise the worst slowdown over the bucket's points, each placed halfway (geometric)
+  between the last measured point it admits and the next one, so that it does not sit on a point.
+
+Rows are the sweep JSON's: ``{"model", "heads", "cached", "new", "topk", "paths": {name: {"ms"}}}``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import replace
+
+from ..workloads.models import MODELS
+from .config import PrefillStep
+from .dispatch import NEVER, PATHS, THRESHOLDS, HeadsThresholds, auto_path, has_cached_prefix, work_ratio
+
+TOLERANCE = 1.05  # the layer issue: the automatic choice within 5% of the best path
+
+
+def row_step(row: dict) -> PrefillStep:
+    """The ``PrefillStep`` of one sweep row (one request: ``cached`` + ``new`` tokens).
+
+    Raises:
+        KeyError: an unknown model name.
+    """
+    m = MODELS[row["model"]]
+    return PrefillStep(int(row["heads"]), m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim,
+                       int(row["topk"]), (int(row["cached"]),), (int(row["new"]),))
+
+
+def measured_ms(row: dict) -> dict[str, float]:
+    """{path: median ms} of the paths the row timed (errors and skips left out)."""
+    return {p: v["ms"] for p, v in row["paths"].items() if v.get("ms") is not None}
+
+
+def choice(step: PrefillStep, table: tuple[HeadsThresholds, ...] | None = None) -> str:
+    """The automatic path for ``step`` under ``table`` (default: the dispatcher's ``THRESHOLDS``)."""
+    sup = {name: p.supports(step) for name, p in PATHS.items()}
+    return auto_path(step, sup, work_ratio(step), table)[0]
+
+
+def evaluate(rows: list[dict], table: tuple[HeadsThresholds, ...] | None = None) -> list[dict]:
+    """Per measured point with at least one timed path: the automatic choice, the best path and
+    ``slowdown`` = time(choice) / time(best) (``inf`` when the choice was not timed there).
+
+    Returns:
+        list of {"model", "heads", "cached", "new", "work_ratio", "choice", "best", "slowdown"}.
+    """
+    out = []
+    for r in rows:
+        ms = measured_ms(r)
+        if not ms:
+            continue
+        step = row_step(r)
+        c = choice(step, table)
+        best = min(ms, key=ms.get)
+        out.append({"model": r["model"], "heads": r["heads"], "cached": r["cached"], "new": r["new"],
+                    "work_ratio": work_ratio(step), "choice": c, "best": best,
+                    "slowdown": ms[c] / ms[best] if c in ms else math.inf})
+    return out
+
+
+def _between(lo: float, candidates: list[float]) -> float:
+    """A limit admitting ``lo`` and nothing measured above it: halfway (geometric) to the next
+    candidate, or 10% above ``lo`` when it is the largest; 0 stays 0 (never)."""
+    if lo <= 0:
+        return 0.0
+    above = [c for c in candidates if c > lo]
+    return math.sqrt(lo * min(above)) if above else lo * 1.1
+
+
+def _slowdowns(pts: list[tuple[PrefillStep, dict[str, float]]], table: tuple[HeadsThresholds, ...]) -> list[float]:
+    out = []
+    for s, ms in pts:
+        c = choice(s, table)
+        out.append(ms[c] / min(ms.values()) if c in ms else math.inf)
+    return out
+
+
+def fit_thresholds(rows: list[dict], table: tuple[HeadsThresholds, ...] | None = None) -> tuple[HeadsThresholds, ...]:
+    """``THRESHOLDS`` fitted to the sweep rows: one row per bucket of ``table`` (default the
+    dispatcher's), heads in (previous max_heads, max_heads].
+
+    Per bucket every combination of measured pure ratio, cached ratio, window (plus "never" /
+    "no window limit") and grouped token count (plus ``NEVER``) is tried; the smallest worst
+    slowdown wins, then the smallest mean slowdown, then the smallest ratio limits, the loosest
+    window and the fewest grouped steps (the simplest rule that explains the timings). A bucket
+    without measured points keeps its row.
+    """
+    table = table or THRESHOLDS
+    fitted = []
+    lo_heads = 0
+    for cur in table:
+        pts = [(row_step(r), measured_ms(r)) for r in rows if lo_heads < r["heads"] <= cur.max_heads]
+        pts = [(s, ms) for s, ms in pts if ms]
+        lo_heads = cur.max_heads
+        if not pts:
+            fitted.append(cur)
+            continue
+        pure = sorted({work_ratio(s) for s, _ in pts if not has_cached_prefix(s)})
+        cached = sorted({work_ratio(s) for s, _ in pts if has_cached_prefix(s)})
+        windows = sorted({s.max_window for s, _ in pts})
+        tokens = sorted({s.num_tokens for s, _ in pts})
+        best_key, best = None, cur
+        for rp, rc, w, g in itertools.product([0.0, *pure], [0.0, *cached], [*windows, NEVER], [*tokens, NEVER]):
+            cand = replace(cur, masked_max_ratio_pure=rp, masked_max_ratio_cached=rc, masked_max_window=w,
+                           grouped_min_tokens=g)
+            slow = _slowdowns(pts, (cand,))
+            key = (max(slow), sum(slow) / len(slow), rp + rc, -w, -g)
+            if best_key is None or key < best_key:
+                best_key, best = key, cand
+        rp = round(_between(best.masked_max_ratio_pure, pure), 3)
+        rc = round(_between(best.masked_max_ratio_cached, cached), 3)
+        w = best.masked_max_window
+        if rp == rc == 0.0:
+            w = 0  # masked MHA never chosen: no window limit to state
+        elif w >= NEVER:
+            w = max(windows)  # not measured beyond
+        else:
+            larger = [x for x in windows if x > w]
+            w = max(w, int(math.sqrt(w * min(larger))) // 1024 * 1024) if larger else w
+        g = best.grouped_min_tokens
+        if g < NEVER:
+            smaller = [x for x in tokens if x < g]
+            g = min(g, int(math.sqrt(g * max(smaller))) // 256 * 256 + 256) if smaller else g
+        fitted.append(replace(best, masked_max_ratio_pure=rp, masked_max_ratio_cached=rc, masked_max_window=w,
+                              grouped_min_tokens=g))
+    return tuple(fitted)
+
+
+__all__ = ["TOLERANCE", "row_step", "measured_ms", "choice", "evaluate", "fit_thresholds"]
