@@ -68,11 +68,19 @@ class HeadsThresholds:
 # NEVER (2**31 tokens) turns grouping off for a bucket; path="mqa_grouped" still forces it.
 # ---------------------------------------------------------------------------------------------
 NEVER = 2**31
+# results/sweep_paths.json, rev a3f42a6 (python scripts/sweep_paths.py --budget-s 300): 120 points,
+# 3 layouts, 16-128 heads, 1K-64K pure prompts and 2K-28K cached prefixes; with this table the
+# automatic choice is within 1% of the best measured path at every point (grouping won by > 5% only
+# at <= 4K tokens, where dense or masked MHA is faster still).
 THRESHOLDS: tuple[HeadsThresholds, ...] = (
-    HeadsThresholds(16, 1.05, 0.8, 16384, NEVER),
-    HeadsThresholds(32, 0.83, 0.6, 16384, NEVER),
-    HeadsThresholds(64, 0.67, 0.5, 16384, NEVER),
-    HeadsThresholds(128, 0.51, 0.4, 16384, NEVER),
+    HeadsThresholds(16, masked_max_ratio_pure=1.109, masked_max_ratio_cached=0.814, masked_max_window=65536,
+                    grouped_min_tokens=NEVER),
+    HeadsThresholds(32, masked_max_ratio_pure=0.67, masked_max_ratio_cached=0.558, masked_max_window=65536,
+                    grouped_min_tokens=NEVER),
+    HeadsThresholds(64, masked_max_ratio_pure=0.67, masked_max_ratio_cached=0.558, masked_max_window=65536,
+                    grouped_min_tokens=NEVER),
+    HeadsThresholds(128, masked_max_ratio_pure=0.513, masked_max_ratio_cached=0.624, masked_max_window=65536,
+                    grouped_min_tokens=NEVER),
 )
 
 
