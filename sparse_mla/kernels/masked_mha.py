@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..host import to_device_async
+
 LOG2E = 1.4426950408889634
 META_COLS = 8  # q_start, q_len, pos0, kv_start, kpe_row0, word_base, n_words, request
 
@@ -213,7 +215,8 @@ def plan_masked_mha(
     meta = torch.tensor(rows, dtype=torch.int64).reshape(-1, META_COLS)
     cat = lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.int64)  # noqa: E731
     dev = torch.device(device)
-    return MaskedMHAPlan(block_m, meta.to(dev), cat(tok_lo).to(dev), cat(tok_win).to(dev), cat(tok_wbase).to(dev),
+    return MaskedMHAPlan(block_m, to_device_async(meta, dev), to_device_async(cat(tok_lo), dev),
+                         to_device_async(cat(tok_win), dev), to_device_async(cat(tok_wbase), dev),
                          tuple(n_words), wbase, tuple(keys))
 
 

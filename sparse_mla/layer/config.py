@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..host import to_device_async
 from ..validation import counted_entries, flatten_kv
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -210,7 +211,7 @@ def token_windows(new_lens: Sequence[int], cached_lens: Sequence[int], row_offse
     i = torch.arange(T) - first[req]
     lo = torch.tensor(list(row_offsets), dtype=torch.int64)[req]
     win = torch.tensor(list(cached_lens), dtype=torch.int64)[req] + i + 1
-    return lo.to(device), win.to(device)
+    return to_device_async(lo, device), to_device_async(win, device)
 
 
 def restrict_to_windows(indices: torch.Tensor, lo: torch.Tensor, win: torch.Tensor) -> torch.Tensor:

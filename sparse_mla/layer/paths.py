@@ -20,11 +20,13 @@ never decorates a Triton kernel.
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import torch
 import torch.nn.functional as F
 
+from ..host import to_device_async
 from .config import DSAPrefillProblem, PrefillStep, restrict_to_windows, token_windows
 
 logger = logging.getLogger("sparse_mla")
@@ -239,7 +241,7 @@ def absorbed_mqa(p: DSAPrefillProblem, out: torch.Tensor, method: str, q_heads: 
         kv_rows = torch.cat([p.kv_c, p.k_pe], dim=-1)
     lo, win = token_windows(p.step.new_lens, p.step.cached_lens, p.row_offsets, dev)
     idx = restrict_to_windows(p.indices, lo, win)
-    cu = torch.tensor([0, *torch.tensor(p.step.new_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    cu = to_device_async(torch.tensor([0, *itertools.accumulate(p.step.new_lens)], dtype=torch.int32), dev)
     latent = sparse_mla_fwd(q, kv_rows, idx, p.sm_scale, d_v=r, topk_length=p.topk_length, method=method, cu_seqlens_q=cu)
     out.copy_(torch.bmm(latent[:, :H].transpose(0, 1), p.w_uv.transpose(1, 2)).transpose(0, 1))
     return out
