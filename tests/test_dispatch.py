@@ -163,16 +163,20 @@ def test_dispatcher_within_5pct_of_best_on_committed_sweep():
 
     from sparse_mla.layer.calibration import TOLERANCE, evaluate
 
-    doc = json.loads((Path(__file__).resolve().parent.parent / "results" / "sweep_paths.json").read_text())
-    ev = evaluate(doc["rows"])
+    results = Path(__file__).resolve().parent.parent / "results"
+    ev = evaluate(json.loads((results / "sweep_paths.json").read_text())["rows"])
     assert len(ev) >= 100 and {e["new"] for e in ev} >= {1024, 65536}
-    bad = [e for e in ev if e["slowdown"] > TOLERANCE]
+    # the benchmark's scenarios (layer paths timed the same way) are measured points too
+    bench = evaluate(json.loads((results / "bench.json").read_text())["results"])
+    assert len(bench) >= 16
+    bad = [e for e in ev + bench if e["slowdown"] > TOLERANCE]
     assert not bad, bad
 
 
 def test_fit_thresholds_recovers_planted_crossovers():
     """On synthetic rows where masked MHA wins below a known ratio (pure prefills only) and grouping
-    wins from 12000 tokens, the fit admits every win and no loss, and leaves other buckets alone."""
+    wins on pure prefills from 12000 tokens, the fit admits every win and no loss, and leaves other
+    buckets alone."""
     from sparse_mla.layer.calibration import evaluate, fit_thresholds
 
     rows = []
@@ -180,7 +184,7 @@ def test_fit_thresholds_recovers_planted_crossovers():
         for cached in (0, 4096):
             s = step(new=(new,), cached=(cached,))
             masked = 1.0 if (cached == 0 and dispatch.work_ratio(s) < 0.9) else 2.0
-            grouped = 1.2 if new >= 12000 else 1.6
+            grouped = 1.2 if (new >= 12000 and cached == 0) else 1.6
             rows.append({"model": "deepseek-v3.2", "heads": 16, "cached": cached, "new": new, "topk": TOPK,
                          "paths": {"masked_mha": {"ms": masked}, "mqa_per_token": {"ms": 1.5},
                                    "mqa_grouped": {"ms": grouped}}})

@@ -38,8 +38,9 @@ def row_step(row: dict) -> PrefillStep:
 
 
 def measured_ms(row: dict) -> dict[str, float]:
-    """{path: median ms} of the paths the row timed (errors and skips left out)."""
-    return {p: v["ms"] for p, v in row["paths"].items() if v.get("ms") is not None}
+    """{path: median ms} of the dispatcher's paths the row timed (errors, skips and baselines such
+    as the benchmark's pad-64 column left out)."""
+    return {p: v["ms"] for p, v in row["paths"].items() if p in PATHS and v.get("ms") is not None}
 
 
 def choice(step: PrefillStep, table: tuple[HeadsThresholds, ...] | None = None) -> str:
@@ -86,14 +87,55 @@ def _slowdowns(pts: list[tuple[PrefillStep, dict[str, float]]], table: tuple[Hea
     return out
 
 
+def _fit_bucket(cur: HeadsThresholds, pts: list[tuple[PrefillStep, dict[str, float]]]) -> HeadsThresholds:
+    pure = sorted({work_ratio(s) for s, _ in pts if not has_cached_prefix(s)})
+    cached = sorted({work_ratio(s) for s, _ in pts if has_cached_prefix(s)})
+    windows = sorted({s.max_window for s, _ in pts})
+    tokens = sorted({s.num_tokens for s, _ in pts})
+
+    def key(c: HeadsThresholds) -> tuple:
+        slow = _slowdowns(pts, (c,))
+        grouped = c.grouped_min_tokens < NEVER
+        return (max(slow), sum(slow) / len(slow), c.masked_max_ratio_pure + c.masked_max_ratio_cached,
+                -c.masked_max_window, grouped, min(c.grouped_max_tokens, 2**40) - c.grouped_min_tokens)
+
+    best = replace(cur, grouped_min_tokens=NEVER, grouped_max_tokens=NEVER)
+    bands = [(NEVER, NEVER)] + [(a, b) for a in tokens for b in [*tokens, NEVER] if a <= b]
+    for _ in range(2):  # coordinate descent: masked limits given the grouped band, then the band
+        best = min((replace(best, masked_max_ratio_pure=rp, masked_max_ratio_cached=rc, masked_max_window=w)
+                    for rp, rc, w in itertools.product([0.0, *pure], [0.0, *cached], [*windows, NEVER])), key=key)
+        best = min((replace(best, grouped_min_tokens=a, grouped_max_tokens=b) for a, b in bands), key=key)
+    # place every limit between the last measured point it admits and the next one
+    rp = round(_between(best.masked_max_ratio_pure, pure), 3)
+    rc = round(_between(best.masked_max_ratio_cached, cached), 3)
+    w = best.masked_max_window
+    if rp == rc == 0.0:
+        w = 0  # masked MHA never chosen: no window limit to state
+    elif w >= NEVER:
+        w = max(windows)  # not measured beyond
+    else:
+        larger = [x for x in windows if x > w]
+        w = max(w, int(math.sqrt(w * min(larger))) // 1024 * 1024) if larger else w
+    lo, hi = best.grouped_min_tokens, best.grouped_max_tokens
+    if lo < NEVER:
+        smaller = [x for x in tokens if x < lo]
+        lo = min(lo, int(math.sqrt(lo * max(smaller))) // 256 * 256 + 256) if smaller else lo
+        if hi < NEVER:
+            larger = [x for x in tokens if x > hi]
+            hi = max(hi, int(math.sqrt(hi * min(larger))) // 256 * 256) if larger else hi
+    return replace(best, masked_max_ratio_pure=rp, masked_max_ratio_cached=rc, masked_max_window=w,
+                   grouped_min_tokens=lo, grouped_max_tokens=hi)
+
+
 def fit_thresholds(rows: list[dict], table: tuple[HeadsThresholds, ...] | None = None) -> tuple[HeadsThresholds, ...]:
     """``THRESHOLDS`` fitted to the sweep rows: one row per bucket of ``table`` (default the
     dispatcher's), heads in (previous max_heads, max_heads].
 
-    Per bucket every combination of measured pure ratio, cached ratio, window (plus "never" /
-    "no window limit") and grouped token count (plus ``NEVER``) is tried; the smallest worst
-    slowdown wins, then the smallest mean slowdown, then the smallest ratio limits, the loosest
-    window and the fewest grouped steps (the simplest rule that explains the timings). A bucket
+    Per bucket, by coordinate descent (twice): every combination of measured pure ratio, cached
+    ratio and window (plus "never" / "no window limit") for masked MHA, then every band
+    [min, max] of measured token counts (plus "never") for grouping. The smallest worst slowdown
+    wins, then the smallest mean slowdown, then the smallest ratio limits, the loosest window and
+    no or the narrowest grouping band (the simplest rule that explains the timings). A bucket
     without measured points keeps its row.
     """
     table = table or THRESHOLDS
@@ -103,37 +145,7 @@ def fit_thresholds(rows: list[dict], table: tuple[HeadsThresholds, ...] | None =
         pts = [(row_step(r), measured_ms(r)) for r in rows if lo_heads < r["heads"] <= cur.max_heads]
         pts = [(s, ms) for s, ms in pts if ms]
         lo_heads = cur.max_heads
-        if not pts:
-            fitted.append(cur)
-            continue
-        pure = sorted({work_ratio(s) for s, _ in pts if not has_cached_prefix(s)})
-        cached = sorted({work_ratio(s) for s, _ in pts if has_cached_prefix(s)})
-        windows = sorted({s.max_window for s, _ in pts})
-        tokens = sorted({s.num_tokens for s, _ in pts})
-        best_key, best = None, cur
-        for rp, rc, w, g in itertools.product([0.0, *pure], [0.0, *cached], [*windows, NEVER], [*tokens, NEVER]):
-            cand = replace(cur, masked_max_ratio_pure=rp, masked_max_ratio_cached=rc, masked_max_window=w,
-                           grouped_min_tokens=g)
-            slow = _slowdowns(pts, (cand,))
-            key = (max(slow), sum(slow) / len(slow), rp + rc, -w, -g)
-            if best_key is None or key < best_key:
-                best_key, best = key, cand
-        rp = round(_between(best.masked_max_ratio_pure, pure), 3)
-        rc = round(_between(best.masked_max_ratio_cached, cached), 3)
-        w = best.masked_max_window
-        if rp == rc == 0.0:
-            w = 0  # masked MHA never chosen: no window limit to state
-        elif w >= NEVER:
-            w = max(windows)  # not measured beyond
-        else:
-            larger = [x for x in windows if x > w]
-            w = max(w, int(math.sqrt(w * min(larger))) // 1024 * 1024) if larger else w
-        g = best.grouped_min_tokens
-        if g < NEVER:
-            smaller = [x for x in tokens if x < g]
-            g = min(g, int(math.sqrt(g * max(smaller))) // 256 * 256 + 256) if smaller else g
-        fitted.append(replace(best, masked_max_ratio_pure=rp, masked_max_ratio_cached=rc, masked_max_window=w,
-                              grouped_min_tokens=g))
+        fitted.append(_fit_bucket(cur, pts) if pts else cur)
     return tuple(fitted)
 
 

@@ -10,8 +10,10 @@ Automatic order (the first that applies wins):
    MQA work over the top-k (``THRESHOLDS``: one row per heads-per-rank bucket, with one limit for
    pure prefills and one for steps with a cached prefix) and no window exceeds the row's
    ``masked_max_window``.
-3. ``mqa_grouped`` when H <= 64 (two or more queries per 128-row tile) and the step has at least
-   the row's ``grouped_min_tokens`` new tokens.
+3. ``mqa_grouped`` when H <= 64 (two or more queries per 128-row tile), no request has a cached
+   prefix, and the step has between the row's ``grouped_min_tokens`` and ``grouped_max_tokens``
+   new tokens (grouping pays where the early tokens' windows are short: their unions are nearly
+   free; behind a cached prefix every window exceeds topk and the union build costs more than it saves).
 4. ``mqa_per_token``.
 5. Any path whose ``supports`` holds (e.g. masked MHA for dims the MQA kernels do not take).
 
@@ -41,6 +43,9 @@ ENV_VAR = "SPARSE_MLA_PATH"
 PATHS = {p.name: p for p in (DenseMHA(), MaskedMHA(), SparseMQA("grouped"), SparseMQA("per_token"))}
 PATH_NAMES = tuple(PATHS)
 
+NEVER = 2**31  # a token count no step reaches
+
+
 @dataclass(frozen=True)
 class HeadsThresholds:
     """The crossover limits for steps with at most ``max_heads`` heads per rank (one table row).
@@ -57,7 +62,8 @@ class HeadsThresholds:
     masked_max_ratio_pure: float  # masked MHA when no request with new tokens has a cached prefix ...
     masked_max_ratio_cached: float  # ... or when some has, and the work ratio is at most this
     masked_max_window: int  # and no request window (cached + new) is longer than this
-    grouped_min_tokens: int  # grouped sparse MQA (else per token) from this many new tokens
+    grouped_min_tokens: int  # grouped sparse MQA (else per token) on pure prefills from this many new tokens ...
+    grouped_max_tokens: int = NEVER  # ... up to this many
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,16 +71,17 @@ class HeadsThresholds:
 # (results/sweep_paths.json): the script prints the rows its timings imply, fitted by
 # sparse_mla.layer.calibration.fit_thresholds so that the automatic choice is within 5% of the
 # best path on every measured point; tests/test_dispatch.py re-checks that on the committed JSON.
-# NEVER (2**31 tokens) turns grouping off for a bucket; path="mqa_grouped" still forces it.
+# grouped_min_tokens = NEVER turns grouping off for a bucket; path="mqa_grouped" still forces it.
 # ---------------------------------------------------------------------------------------------
-NEVER = 2**31
-# results/sweep_paths.json, rev a3f42a6 (python scripts/sweep_paths.py --budget-s 300): 120 points,
-# 3 layouts, 16-128 heads, 1K-64K pure prompts and 2K-28K cached prefixes; with this table the
-# automatic choice is within 1% of the best measured path at every point (grouping won by > 5% only
-# at <= 4K tokens, where dense or masked MHA is faster still).
+# results/sweep_paths.json (measured at rev 0aa390d: python scripts/sweep_paths.py --budget-s 300):
+# 120 points, 3 layouts, 16-128 heads, 1K-64K pure prompts and 2K-28K cached prefixes. This table is
+# fit_thresholds' answer on it; the automatic choice is then the best measured path (within the
+# timing noise, worst 1.00x) at every point. Grouping pays only at 16 heads for 6K-11K-token steps
+# (the union of the early tokens' short windows is nearly free); beyond, its union build costs
+# more than it saves (NOTES-GPU.md).
 THRESHOLDS: tuple[HeadsThresholds, ...] = (
     HeadsThresholds(16, masked_max_ratio_pure=1.109, masked_max_ratio_cached=0.814, masked_max_window=65536,
-                    grouped_min_tokens=NEVER),
+                    grouped_min_tokens=5888, grouped_max_tokens=11520),
     HeadsThresholds(32, masked_max_ratio_pure=0.67, masked_max_ratio_cached=0.558, masked_max_window=65536,
                     grouped_min_tokens=NEVER),
     HeadsThresholds(64, masked_max_ratio_pure=0.67, masked_max_ratio_cached=0.558, masked_max_window=65536,
@@ -176,12 +183,18 @@ def auto_path(step: PrefillStep, sup: dict[str, tuple[bool, str]], ratio: float,
     why_not_masked = (sup["masked_mha"][1] if not sup["masked_mha"][0] else
                       f"MHA/sparse work ratio {ratio:.2f} > {limit} ({kind})" if ratio > limit else
                       f"longest window {step.max_window} > {max_win}")
-    min_tok = row.grouped_min_tokens
-    if sup["mqa_grouped"][0] and step.num_tokens >= min_tok:
-        return "mqa_grouped", (f"H = {step.num_heads} <= 64 and T = {step.num_tokens} >= {min_tok}; "
+    lo, hi = row.grouped_min_tokens, row.grouped_max_tokens
+    band = f"[{lo}, {hi}] (pure prefills)" if lo < NEVER else "(grouping off for this many heads)"
+    if sup["mqa_grouped"][0] and lo <= step.num_tokens <= hi and not has_cached_prefix(step):
+        return "mqa_grouped", (f"H = {step.num_heads} <= 64 and T = {step.num_tokens} in {band}; "
                                f"not masked MHA: {why_not_masked}")
     if sup["mqa_per_token"][0]:
-        why_not_grouped = sup["mqa_grouped"][1] if not sup["mqa_grouped"][0] else f"T = {step.num_tokens} < {min_tok}"
+        if not sup["mqa_grouped"][0]:
+            why_not_grouped = sup["mqa_grouped"][1]
+        elif has_cached_prefix(step):
+            why_not_grouped = "a cached prefix (grouping measured to pay on pure prefills only)"
+        else:
+            why_not_grouped = f"T = {step.num_tokens} not in {band}"
         return "mqa_per_token", f"not grouped: {why_not_grouped}; not masked MHA: {why_not_masked}"
     for name, (ok, why) in sup.items():
         if ok:
