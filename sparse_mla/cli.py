@@ -98,7 +98,7 @@ def _bench_torchrun(world: int, model: list[Model] | None, tp: int | None, new_l
     names = [m.value for m in model] if model else list(scenarios.SHARDQ_MODELS)
     try:  # on a CPU (interpreter, tiny --tokens) ShardQ runs from any token count
         res = run_shardq_bench([(n, tp) for n in names], new_list or list(scenarios.SHARDQ_TOKENS), topk=topk,
-                               overlap=overlap, trials=trials or (3 if on_gpu else 1), seed=seed,
+                               overlap=overlap, trials=trials or (5 if on_gpu else 1), seed=seed,
                                **({} if on_gpu else {"min_tokens": 0}))
     except ValueError as e:  # its argument checks, before any collective
         raise typer.BadParameter(str(e)) from None
@@ -132,7 +132,7 @@ def bench(
     overlap: Annotated[str, typer.Option(help="Synthetic top-k preset: high, mid, low (union ratio ~1.2/1.4/1.7 at G=8), none, random.")] = "mid",
     topk_trace: Annotated[str | None, typer.Option(help="Engine top-k dump (.pt/.safetensors, see sparse_mla.workloads.traces): its first layer's lists replace the synthetic ones (one request, T = its rows).")] = None,
     dtype: Annotated[DType, typer.Option(help="q / kv / weight dtype (the interpreter on a CPU always uses fp16).")] = DType.bf16,
-    trials: Annotated[int | None, typer.Option(help="Timing trials per path (each a do_bench median); default 3 on a GPU, 1 under the interpreter.")] = None,
+    trials: Annotated[int | None, typer.Option(help="Timing trials per path (each a do_bench median); default 5 on one GPU, 3 under torchrun, 1 under the interpreter.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the inputs and synthetic lists.")] = 0,
     json_out: Annotated[str | None, typer.Option("--json", show_default="out/bench.json; out/bench_shardq.json under torchrun", help="Where to write the JSON results (results/ holds the committed GPU runs).")] = None,
     plot_out: Annotated[str | None, typer.Option("--plot", show_default="out/bench.png; out/bench_shardq.png under torchrun", help="PNG plot of time per path vs prompt length ('' for none).")] = None,
