@@ -1,6 +1,6 @@
 """sparse-mla: exact DeepSeek Sparse Attention (DSA) prefill on Hopper, in Triton.
 
-Public entry points (semantics: ``sparse_mla.reference``; DESIGN.md):
+Public entry points (semantics: ``sparse_mla.reference``; docs/DESIGN.md):
 
 * ``sparse_mla_fwd``: sparse MLA prefill, per-token or grouped (union of G queries' top-k).
 * ``build_group_union``: the per-group union of top-k lists with membership bits.

@@ -7,6 +7,7 @@ it when a kernel is defined.
 from __future__ import annotations
 
 import os
+import re
 from enum import Enum
 from typing import Annotated
 
@@ -20,6 +21,9 @@ app = typer.Typer(
 )
 
 SPARSE_MLA_PATH_ENV = "SPARSE_MLA_PATH"  # sparse_mla.layer.dispatch.ENV_VAR (not imported: it loads torch)
+# Default --trials: do_bench trials per path on one GPU, timed iterations per variant under torchrun,
+# one wall-clock run under the interpreter (not a performance number either way).
+TRIALS_GPU, TRIALS_TORCHRUN, TRIALS_INTERPRETER = 5, 3, 1
 
 
 class Model(str, Enum):
@@ -49,6 +53,24 @@ def _parse_ints(text: str | None, what: str, minimum: int = 0) -> list[int] | No
 def _at_least(value: int | None, minimum: int, what: str) -> None:
     if value is not None and value < minimum:
         raise typer.BadParameter(f"must be >= {minimum}, got {value}", param_hint=what)
+
+
+def default_trials(trials: int | None, *, on_gpu: bool, torchrun: bool) -> int:
+    """``trials`` if given, else TRIALS_GPU on one GPU, TRIALS_TORCHRUN under torchrun,
+    TRIALS_INTERPRETER without a GPU."""
+    if trials is not None:
+        return trials
+    if not on_gpu:
+        return TRIALS_INTERPRETER
+    return TRIALS_TORCHRUN if torchrun else TRIALS_GPU
+
+
+def _given(ctx: typer.Context, *params: str) -> list[str]:
+    """The command-line spelling (--name) of each of ``params`` set explicitly (not left at its default).
+
+    ParameterSource is compared by name: recent typer releases carry their own copy of click's enum."""
+    sources = {p: getattr(ctx.get_parameter_source(p), "name", "DEFAULT") for p in params}
+    return ["--" + p.replace("_", "-") for p, src in sources.items() if src not in ("DEFAULT", "DEFAULT_MAP")]
 
 
 def _kernel_device() -> bool:
@@ -81,12 +103,12 @@ def _shapes(new_list: list[int] | None, cached_list: list[int] | None, default: 
 
 def _bench_torchrun(world: int, model: list[Model] | None, tp: int | None, new_list: list[int] | None, topk: int,
                     overlap: str, trials: int | None, seed: int, json_out: str | None, plot_out: str | None,
-                    single_gpu_only: dict[str, object]) -> None:
-    """``bench`` under torchrun with WORLD_SIZE > 1: ShardQ vs TP on the W GPUs (sparse_mla.bench.shardq)."""
-    for opt, val in single_gpu_only.items():
-        if val:
-            raise typer.BadParameter("is for the single-GPU layer benchmark, not the torchrun (ShardQ vs TP) one",
-                                     param_hint=opt)
+                    single_gpu_only: list[str]) -> None:
+    """``bench`` under torchrun with WORLD_SIZE > 1: ShardQ vs TP on the W GPUs (sparse_mla.bench.shardq).
+    ``single_gpu_only``: the options given that only the single-GPU benchmark takes (rejected)."""
+    if single_gpu_only:
+        raise typer.BadParameter("is for the single-GPU layer benchmark, not the torchrun (ShardQ vs TP) one",
+                                 param_hint=single_gpu_only[0])
     if tp is None:
         tp = world
     elif tp != world:
@@ -98,7 +120,7 @@ def _bench_torchrun(world: int, model: list[Model] | None, tp: int | None, new_l
     names = [m.value for m in model] if model else list(scenarios.SHARDQ_MODELS)
     try:  # on a CPU (interpreter, tiny --tokens) ShardQ runs from any token count
         res = run_shardq_bench([(n, tp) for n in names], new_list or list(scenarios.SHARDQ_TOKENS), topk=topk,
-                               overlap=overlap, trials=trials or (5 if on_gpu else 1), seed=seed,
+                               overlap=overlap, trials=default_trials(trials, on_gpu=on_gpu, torchrun=True), seed=seed,
                                **({} if on_gpu else {"min_tokens": 0}))
     except ValueError as e:  # its argument checks, before any collective
         raise typer.BadParameter(str(e)) from None
@@ -123,6 +145,7 @@ def _exit_on_failures(failures: list[str]) -> None:
 
 @app.command()
 def bench(
+    ctx: typer.Context,
     model: Annotated[list[Model] | None, typer.Option(help="Model layout (repeatable); default: glm-5 at TP4 and deepseek-v3.2 at TP8.")] = None,
     dims: Annotated[list[str] | None, typer.Option(metavar="HEADS,KV_LORA_RANK,QK_NOPE,QK_ROPE,V", help="A custom layout (repeatable), e.g. 128,512,128,64,128; QK_ROPE may be 0 (NoPE).")] = None,
     tp: Annotated[int | None, typer.Option(help="Tensor-parallel size: heads per rank = heads / tp on one GPU (default: glm-5 4, deepseek-v3.2 8, others 1); under torchrun with W processes, runs ShardQ vs TP on W GPUs (tp must be W).")] = None,
@@ -130,9 +153,9 @@ def bench(
     cached: Annotated[str | None, typer.Option(help="Cached prefix tokens, comma-separated (one value for all --tokens, or one per value).")] = None,
     topk: Annotated[int, typer.Option(help="Rows the indexer selects per query (K).")] = 2048,
     overlap: Annotated[str, typer.Option(help="Synthetic top-k preset: high, mid, low (union ratio ~1.2/1.4/1.7 at G=8), none, random.")] = "mid",
-    topk_trace: Annotated[str | None, typer.Option(help="Engine top-k dump (.pt/.safetensors, see sparse_mla.workloads.traces): its first layer's lists replace the synthetic ones (one request, T = its rows).")] = None,
-    dtype: Annotated[DType, typer.Option(help="q / kv / weight dtype (the interpreter on a CPU always uses fp16).")] = DType.bf16,
-    trials: Annotated[int | None, typer.Option(help="Timing trials per path (each a do_bench median); default 5 on one GPU, 3 under torchrun, 1 under the interpreter.")] = None,
+    topk_trace: Annotated[str | None, typer.Option(help="Engine top-k dump (.pt/.safetensors, see sparse_mla.workloads.traces): its first layer's lists replace the synthetic ones (one request, T = its rows, K = its columns; not with --tokens, --cached, --topk, --overlap).")] = None,
+    dtype: Annotated[DType, typer.Option(help="q / kv / weight dtype of the single-GPU benchmark (the interpreter on a CPU always uses fp16; under torchrun: bf16 on GPUs, not settable).")] = DType.bf16,
+    trials: Annotated[int | None, typer.Option(help=f"Timing trials per path (each a do_bench median and 20/80% quantiles); default {TRIALS_GPU} on one GPU, {TRIALS_TORCHRUN} under torchrun, {TRIALS_INTERPRETER} under the interpreter.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the inputs and synthetic lists.")] = 0,
     json_out: Annotated[str | None, typer.Option("--json", show_default="out/bench.json; out/bench_shardq.json under torchrun", help="Where to write the JSON results (results/ holds the committed GPU runs).")] = None,
     plot_out: Annotated[str | None, typer.Option("--plot", show_default="out/bench.png; out/bench_shardq.png under torchrun", help="PNG plot of time per path vs prompt length ('' for none).")] = None,
@@ -160,10 +183,14 @@ def bench(
             custom.append(scenarios.model_from_dims(text))
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--dims") from None
+    moot = _given(ctx, "tokens", "cached", "topk", "overlap") if topk_trace is not None else []
+    if moot:
+        raise typer.BadParameter("not with --topk-trace: the trace sets the request (T = its rows) and its lists "
+                                 "(K = its columns)", param_hint=moot[0])
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         _bench_torchrun(world, model, tp, new_list, topk, overlap, trials, seed, json_out, plot_out,
-                        {"--dims": dims, "--cached": cached, "--topk-trace": topk_trace})
+                        _given(ctx, "dims", "cached", "topk_trace", "dtype"))
         return
     on_gpu = _kernel_device()
     if SPARSE_MLA_PATH_ENV in os.environ:
@@ -195,12 +222,13 @@ def bench(
         shapes, k = [trace_shape(trace.topk)], trace.topk.shape[1]
     try:
         scs = scenarios.build_scenarios(pairs, shapes, k)
-    except ValueError as e:
-        raise typer.BadParameter(str(e), param_hint="--tp") from None
+    except ValueError as e:  # the other options are checked above: a TP that does not divide the heads, an empty trace
+        hint = "--tp" if re.search(r"\btp\b", str(e)) else "--topk-trace" if trace is not None else None
+        raise typer.BadParameter(str(e), param_hint=hint) from None
     if not on_gpu:
         typer.secho("No CUDA GPU: running small scenarios through the Triton interpreter (fp16); "
                     "its timings are NOT performance numbers.", fg=typer.colors.YELLOW)
-    trials = trials or (3 if on_gpu else 1)
+    trials = default_trials(trials, on_gpu=on_gpu, torchrun=False)
     torch_dtype = torch.float16 if not on_gpu or dtype == DType.fp16 else torch.bfloat16
     device = torch.device("cuda" if on_gpu else "cpu")
     rows = []

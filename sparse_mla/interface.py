@@ -8,7 +8,6 @@ outputs) and pick the kernel.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -16,21 +15,10 @@ import torch
 from .kernels.sparse_mqa import D_V, sparse_mqa_grouped, sparse_mqa_per_token
 from .kernels.union import MAX_GROUP_SIZE, build_union, plan_groups
 from .selection import overlap_guard_ratio, resolve_method
-from .validation import validate_sparse_mla_args
+from .validation import require_kernel_tensor, validate_sparse_mla_args
 from .workspace import SparseMLAWorkspace, default_group_size
 
 logger = logging.getLogger("sparse_mla")
-
-
-def _require_kernel_device(t: torch.Tensor) -> None:
-    if t.device.type == "cuda":
-        return
-    if t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
-        return
-    raise ValueError(
-        f"q is on {t.device}: the Triton kernels need a CUDA device, or CPU tensors with TRITON_INTERPRET=1 "
-        "set before sparse_mla is imported; sparse_mla_ref runs on any device"
-    )
 
 
 def sparse_mla_fwd(
@@ -53,7 +41,7 @@ def sparse_mla_fwd(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA prefill (MQA / absorbed form): each query attends to its own top-k kv rows.
 
-    Semantics: ``sparse_mla.reference.sparse_mla_ref`` (DESIGN.md "Ground truth"); every method
+    Semantics: ``sparse_mla.reference.sparse_mla_ref`` (docs/DESIGN.md "Ground truth"); every method
     returns that result up to bf16 rounding and fp32 summation order.
 
     Args:
@@ -67,7 +55,14 @@ def sparse_mla_fwd(
         topk_length: optional [T] int32; only the first topk_length[t] entries of row t count.
         return_lse: also return lse [T, H] fp32 (natural log; -inf for a query with no valid row).
         method: "per_token" (one query's heads per tile), "grouped" (G = 128 // H consecutive
-            queries share a tile over the union of their rows), or "auto" (grouped when G >= 2).
+            queries share a tile over the union of their rows), or "auto": what
+            ``selection.resolve_method`` picks. With the shipped table (``selection.AUTO_GROUPS =
+            False``: the grouped step, union build included, measured slower than per token on the
+            H200) "auto" always runs per token and only method="grouped" groups; with the switch
+            on it would group when G >= 2 and T >= G. The measured choice between per-token and
+            grouped MQA (and masked / dense MHA) lives in the layer's dispatcher,
+            ``sparse_mla.layer.dispatch`` (its ``THRESHOLDS``), which calls this function with an
+            explicit method.
         cu_seqlens_q: optional [B + 1] int32 request boundaries of the T rows. Given: groups stay
             inside requests and a request's last n % G rows run per token. Absent: groups run
             token-major over all rows (ShardQ layout), the tail group is short.
@@ -85,7 +80,8 @@ def sparse_mla_fwd(
 
     Raises:
         TypeError: wrong type or dtype of an argument (q/kv bf16 or fp16; indices, topk_length,
-            cu_seqlens_q int32).
+            cu_seqlens_q int32); bf16 q / kv under TRITON_INTERPRET=1 (the interpreter's bf16
+            tl.dot is wrong: use fp16 on the CPU).
         ValueError: shape / device / layout mismatches, D_qk not in {512, 576}, d_v != 512, an
             unknown method, a workspace that does not fit, CPU tensors without TRITON_INTERPRET=1,
             and (check=True) bad index contents.
@@ -107,7 +103,7 @@ def sparse_mla_fwd(
         lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     elif lse is not None and (lse.shape != (T, H) or lse.dtype != torch.float32 or not lse.is_contiguous()):
         raise ValueError(f"lse must be contiguous [T, H] = [{T}, {H}] float32, got {tuple(lse.shape)} {lse.dtype}")
-    _require_kernel_device(p.q)
+    require_kernel_tensor("q", p.q)  # kv and out share its device and dtype
     logger.debug("sparse_mla_fwd: T=%d H=%d K=%d -> %s (%s)", T, H, p.topk, chosen, reason)
     if T == 0:
         return (out, lse) if return_lse else out
@@ -174,7 +170,8 @@ def build_group_union(
         GroupUnion with rows / member_mask [ceil(T / G), G * K] int32 and lengths [ceil(T / G)].
 
     Raises:
-        TypeError: non-int32 indices or topk_length. ValueError: bad shapes, group_size out of range.
+        TypeError: non-int32 indices or topk_length. ValueError: bad shapes, group_size out of range,
+            CPU tensors without TRITON_INTERPRET=1.
     """
     if not isinstance(indices, torch.Tensor):
         raise TypeError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
@@ -193,7 +190,7 @@ def build_group_union(
         if topk_length.shape != (T,):
             raise ValueError(f"topk_length must be [T] = [{T}], got shape {tuple(topk_length.shape)}")
         topk_length = topk_length.contiguous()
-    _require_kernel_device(indices)
+    require_kernel_tensor("indices", indices)
     indices = indices.contiguous()
     N = 2**31 - 1 if num_kv_rows is None else int(num_kv_rows)
     n_groups = -(-T // group_size)

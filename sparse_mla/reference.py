@@ -1,6 +1,6 @@
 """The fp32 reference of per-token sparse MLA (the MQA / absorbed form).
 
-This is the definition every fast path reproduces (``../shared/DESIGN.md``, "Ground truth"):
+This is the definition every fast path reproduces (``docs/DESIGN.md``, "Ground truth"):
 
     valid_j   = indices[t, j] >= 0 and indices[t, j] < N and j < topk_length[t]
     s_j       = sm_scale * q[t, h] . kv[indices[t, j]]            (over all D_qk columns)

@@ -10,7 +10,7 @@ from .workspace import default_group_size
 METHODS = ("auto", "per_token", "grouped")
 
 # Overlap guard: a group whose union holds more than this many of its mean list length goes per
-# token. Published break-even at 16 heads, G = 8: ~5.8 lists (DESIGN.md); expressed as a fraction
+# token. Published break-even at 16 heads, G = 8: ~5.8 lists (docs/DESIGN.md); expressed as a fraction
 # of G (the no-overlap union) so that it carries over to other G.
 GUARD_FRACTION_OF_G = 5.8 / 8
 

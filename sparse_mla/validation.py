@@ -8,6 +8,7 @@ checked mode (``check=True``).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,31 @@ def _require_int32(name: str, x: torch.Tensor, shape_doc: str) -> None:
 def _require_same_device(name: str, x: torch.Tensor, ref: torch.Tensor) -> None:
     if x.device != ref.device:
         raise ValueError(f"{name} is on {x.device} but q is on {ref.device}; all tensors must share one device")
+
+
+def require_kernel_tensor(name: str, x: torch.Tensor) -> None:
+    """Check that the Triton kernels can read ``x``: on a CUDA device, or on the CPU under
+    TRITON_INTERPRET=1 (Triton's interpreter), and not bfloat16 under the interpreter, whose bf16
+    ``tl.dot`` gives wrong results without an error (off by ~1e9 on a 16x32 @ 32x16 product).
+    The one check in front of every kernel entry point (``sparse_mla_fwd``, ``build_group_union``,
+    ``kernels.masked_mha.masked_mha_fwd``); runs before any launch.
+
+    Raises:
+        ValueError: ``x`` on neither CUDA nor the CPU with TRITON_INTERPRET=1.
+        TypeError: ``x`` bfloat16 on the CPU, or on CUDA with TRITON_INTERPRET=1.
+    """
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if x.device.type not in ("cpu", "cuda") or (x.device.type == "cpu" and not interpreted):
+        raise ValueError(
+            f"{name} is on {x.device}: the Triton kernels need a CUDA device, or CPU tensors with TRITON_INTERPRET=1 "
+            "set before sparse_mla is imported; the plain-PyTorch references run on any device"
+        )
+    if x.dtype == torch.bfloat16 and (x.device.type == "cpu" or interpreted):
+        where = "on the CPU" if x.device.type == "cpu" else f"on {x.device}"
+        raise TypeError(
+            f"{name} is bfloat16 {where}: under TRITON_INTERPRET=1 Triton's interpreter computes bf16 tl.dot "
+            "wrongly; use float16 on the CPU, or a CUDA device without TRITON_INTERPRET=1"
+        )
 
 
 def flatten_kv(kv: torch.Tensor) -> torch.Tensor:

@@ -3,21 +3,29 @@
 One tiny layer-level run (16 heads per rank, top-k 16): a prompt that fits in the top-k (dense
 MHA eligible) and a continuation after a cached prefix (it is not). Every supported path, the
 pad-64 baseline included, must be checked against the fp32 reference and timed; unsupported paths
-carry their reason; the report prints the README table from the JSON.
+carry their reason; the report prints the README table from the JSON (and the committed GPU run's).
+Plus the CLI's option checks and trial defaults, ``run_scenario``'s argument checks and error
+recording, ``best_path`` and the timing quantiles, without running kernels.
 """
 
 import json
 import math
+import statistics
+from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
-from sparse_mla.bench.baselines import PATH_COLUMNS
+import sparse_mla.cli as cli
+from sparse_mla.bench.baselines import PAD64_NAME, PATH_COLUMNS
 from sparse_mla.cli import app
+from sparse_mla.layer.dispatch import PATH_NAMES
 
 RUNNER = CliRunner()
 TINY = ["--dims", "16,512,32,64,32", "--tokens", "12,12", "--cached", "0,24", "--topk", "16"]
 SCENARIOS = ("dims-16-512-32-64-32/tp1/12", "dims-16-512-32-64-32/tp1/24+12")
+COMMITTED = Path(__file__).resolve().parent.parent / "results" / "bench.json"
 
 
 def flat(text: str) -> str:
@@ -28,7 +36,7 @@ def flat(text: str) -> str:
 @pytest.fixture(scope="module")
 def bench_json(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    res = RUNNER.invoke(app, ["bench", *TINY, "--json", str(out / "b.json"), "--plot", str(out / "b.png")])
+    res = RUNNER.invoke(app, ["bench", *TINY, "--trials", "2", "--json", str(out / "b.json"), "--plot", str(out / "b.png")])
     assert res.exit_code == 0, res.output
     assert "NOT performance numbers" in res.output
     assert (out / "b.png").stat().st_size > 0
@@ -37,7 +45,8 @@ def bench_json(tmp_path_factory):
 
 def test_bench_json_paths(bench_json):
     data = json.loads(bench_json.read_text())
-    assert data["meta"]["timings_meaningful"] is False
+    assert data["meta"]["timings_meaningful"] is False and data["meta"]["trials"] == 2
+    assert "p20_ms" in data["meta"]["fields"]["paths"] and "best_path" in data["meta"]["fields"]
     rows = data["results"]
     assert [r["scenario"] for r in rows] == list(SCENARIOS)
     for r in rows:
@@ -47,7 +56,8 @@ def test_bench_json_paths(bench_json):
             assert rec["reason"], name
             if rec["supported"]:
                 assert math.isfinite(rec["ms"]) and rec["ms"] > 0, (r["scenario"], name)
-                assert rec["trials_ms"] and rec["min_ms"] <= rec["ms"] <= rec["max_ms"]
+                assert len(rec["trials_ms"]) == 2 and rec["min_ms"] <= rec["ms"] <= rec["max_ms"]
+                assert rec["p20_ms"] <= rec["ms"] <= rec["p80_ms"]
                 assert rec["rel_err"] < 1e-2 and rec["check_ok"], (r["scenario"], name, rec["rel_err"])
             else:
                 assert "ms" not in rec
@@ -56,6 +66,9 @@ def test_bench_json_paths(bench_json):
         assert r["paths"]["mqa_per_token"]["speedup_vs_per_token"] == pytest.approx(1.0)
         assert r["paths"]["mqa_per_token_pad64"]["supported"]  # H = 16 < 64
         assert math.isfinite(r["union_ratio"]) and r["group_size"] == 8
+        assert {"ms", "p20_ms", "p80_ms", "trials_ms"} <= set(r["union_build"])
+        checked = {n: r["paths"][n]["ms"] for n in PATH_NAMES if r["paths"][n].get("check_ok")}
+        assert r["best_path"] == min(checked, key=checked.get)
     dense, cached = rows
     assert dense["paths"]["dense_mha"]["supported"] and dense["chosen_path"] == "dense_mha"
     assert not cached["paths"]["dense_mha"]["supported"] and "topk" in cached["paths"]["dense_mha"]["reason"]
@@ -67,6 +80,16 @@ def test_report_prints_table(bench_json):
     for name in SCENARIOS:
         assert f"| {name} |" in res.output
     assert "mqa_per_token_pad64 ms" in res.output
+
+
+def test_report_renders_committed_results():
+    """The committed GPU run (written before p20_ms / p80_ms existed) still renders."""
+    rows = json.loads(COMMITTED.read_text())["results"]
+    res = RUNNER.invoke(app, ["report", str(COMMITTED)])
+    assert res.exit_code == 0, res.output
+    assert "Triton interpreter" not in res.output
+    for r in rows:
+        assert f"| {r['scenario']} |" in res.output
 
 
 def test_report_rejects_other_json(tmp_path):
@@ -84,10 +107,11 @@ def test_report_rejects_other_json(tmp_path):
     (["--tokens", "0"], "--tokens"),
     (["--tokens", "8,16", "--cached", "1,2,3"], "--cached"),
     (["--model", "glm-5", "--tp", "3"], "--tp"),
+    (["--dims", "16,512,32,64,32", "--tp", "3"], "--tp"),
     (["--overlap", "medium"], "--overlap"),
     (["--trials", "0"], "--trials"),
 ], ids=["dims-short", "dims-nonint", "dims-zero-heads", "tokens-nonint", "tokens-zero", "cached-count", "tp-divide",
-        "overlap", "trials"])
+        "tp-divide-dims", "overlap", "trials"])
 def test_bench_rejects_bad_options(args, option):
     res = RUNNER.invoke(app, ["bench", *args, "--json", "/nonexistent/never.json"])
     assert res.exit_code == 2, res.output
@@ -100,3 +124,138 @@ def test_bench_torchrun_checks_tp(monkeypatch):
     assert res.exit_code == 2 and "Invalid value for --tp: under torchrun it must equal WORLD_SIZE = 2" in flat(res.output)
     res = RUNNER.invoke(app, ["bench", "--dims", "16,512,32,64,32"])
     assert res.exit_code == 2 and "Invalid value for --dims" in flat(res.output)
+    res = RUNNER.invoke(app, ["bench", "--dtype", "fp16"])
+    assert res.exit_code == 2 and "Invalid value for --dtype: is for the single-GPU" in flat(res.output)
+
+
+@pytest.fixture
+def trace_file(tmp_path):
+    """An engine dump with no rows: [0, 4] top-k lists."""
+    f = tmp_path / "empty.pt"
+    torch.save({"topk": torch.empty(0, 4, dtype=torch.int32), "valid": torch.empty(0, dtype=torch.int32)}, f)
+    return str(f)
+
+
+@pytest.mark.parametrize("option, value", [("--tokens", "8"), ("--cached", "0"), ("--topk", "16"), ("--overlap", "high")])
+def test_bench_rejects_options_a_trace_overrides(trace_file, option, value):
+    res = RUNNER.invoke(app, ["bench", "--topk-trace", trace_file, option, value, "--json", "/nonexistent/never.json"])
+    assert res.exit_code == 2 and f"Invalid value for {option}: not with --topk-trace" in flat(res.output)
+
+
+def test_bench_labels_an_empty_trace(trace_file):
+    res = RUNNER.invoke(app, ["bench", "--topk-trace", trace_file, "--json", "/nonexistent/never.json"])
+    assert res.exit_code == 2 and "Invalid value for --topk-trace: a scenario needs new >= 1" in flat(res.output)
+
+
+def test_default_trials():
+    assert cli.default_trials(None, on_gpu=True, torchrun=False) == cli.TRIALS_GPU == 5
+    assert cli.default_trials(None, on_gpu=True, torchrun=True) == cli.TRIALS_TORCHRUN == 3
+    assert cli.default_trials(None, on_gpu=False, torchrun=False) == cli.default_trials(None, on_gpu=False, torchrun=True) == 1
+    assert cli.default_trials(7, on_gpu=True, torchrun=True) == 7
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_bench_default_trials_reach_the_runners(monkeypatch):
+    """As on a GPU (the device check stubbed): the single-GPU runner gets 5 trials, ShardQ under torchrun 3."""
+    import sparse_mla.bench.runner as runner
+    import sparse_mla.bench.shardq as shardq
+
+    seen = {}
+
+    def fake_run_scenario(sc, **kw):
+        seen["single"] = kw["trials"]
+        raise _Stop
+
+    def fake_shardq(models, tokens, **kw):
+        seen["torchrun"] = kw["trials"]
+        return None  # as on a rank other than 0: nothing to write
+
+    monkeypatch.setattr(cli, "_kernel_device", lambda: True)
+    monkeypatch.setattr(runner, "run_scenario", fake_run_scenario)
+    monkeypatch.setattr(shardq, "run_shardq_bench", fake_shardq)
+    res = RUNNER.invoke(app, ["bench", "--json", "/nonexistent/never.json"])
+    assert isinstance(res.exception, _Stop) and seen["single"] == 5
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    res = RUNNER.invoke(app, ["bench"])
+    assert res.exit_code == 0, res.output
+    assert seen["torchrun"] == 3
+
+
+@pytest.fixture(scope="module")
+def tiny_scenario():
+    from sparse_mla.bench.scenarios import build_scenarios, model_from_dims
+
+    return build_scenarios([(model_from_dims("16,512,32,64,32"), 1)], [(0, 12)], 16)[0]
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"trials": 0}, "trials"), ({"trials": 1.5}, "trials"), ({"tol": 0.0}, "tol"), ({"tol": float("nan")}, "tol"),
+])
+def test_run_scenario_checks_arguments_first(monkeypatch, tiny_scenario, kw, match):
+    import sparse_mla.bench.runner as runner
+
+    monkeypatch.setattr(runner, "make_inputs", lambda *a: pytest.fail("inputs made before the argument checks"))
+    with pytest.raises(ValueError, match=match):
+        runner.run_scenario(tiny_scenario, dtype=torch.float16, device=torch.device("cpu"), **kw)
+
+
+def test_measure_records_runtime_errors_only():
+    from sparse_mla.bench.runner import _measure
+
+    out = torch.empty(2, 2)
+    kw = {"useful": 1, "on_gpu": False, "trials": 1, "tol": 1e-2}
+
+    def oom():
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    rec = _measure(oom, (True, "ok"), out, [], **kw)
+    assert rec["supported"] and rec["error"].startswith("OutOfMemoryError") and "ms" not in rec
+
+    def bug():
+        raise TypeError("a bug")
+
+    with pytest.raises(TypeError, match="a bug"):
+        _measure(bug, (True, "ok"), out, [], **kw)
+    assert _measure(bug, (False, "no"), out, [], **kw) == {"supported": False, "reason": "no"}
+
+
+def test_best_path_is_a_checked_dispatcher_path():
+    from sparse_mla.bench.runner import best_path
+
+    grouped, per_token = "mqa_grouped", "mqa_per_token"
+    paths = {name: {"supported": False, "reason": "-"} for name in PATH_COLUMNS}
+    paths[PAD64_NAME] = {"supported": True, "ms": 0.1, "check_ok": True}  # fastest, but a baseline
+    paths[grouped] = {"supported": True, "ms": 0.2, "check_ok": False}  # faster, but wrong
+    paths[per_token] = {"supported": True, "ms": 0.5, "check_ok": True}
+    assert best_path(paths) == per_token
+    paths[per_token]["check_ok"] = False
+    assert best_path(paths) is None
+    paths[grouped] = {"supported": True, "error": "OutOfMemoryError: ..."}
+    assert best_path(paths) is None
+
+
+def test_time_trials_quantiles(monkeypatch):
+    """On a GPU: ms = median of the trial medians, p20_ms / p80_ms = medians of the trial quantiles."""
+    import triton.testing
+
+    from sparse_mla.bench.timing import time_trials
+
+    trials = [(2.0, 1.0, 3.0), (4.0, 3.5, 9.0), (3.0, 2.5, 3.1)]
+    calls = []
+
+    def fake_do_bench(fn, *, warmup, rep, quantiles):
+        calls.append(quantiles)
+        return list(trials[len(calls) - 1])
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    t = time_trials(lambda: None, on_gpu=True, trials=3)
+    assert calls == [[0.5, 0.2, 0.8]] * 3
+    assert t == {"ms": 3.0, "p20_ms": 2.5, "p80_ms": 3.1, "min_ms": 2.0, "max_ms": 4.0, "trials_ms": [2.0, 4.0, 3.0]}
+    t = time_trials(lambda: None, on_gpu=False, trials=2)
+    assert t["p20_ms"] <= t["ms"] <= t["p80_ms"] and len(t["trials_ms"]) == 2
+    assert t["ms"] == statistics.median(t["trials_ms"])
+    with pytest.raises(ValueError, match="trials"):
+        time_trials(lambda: None, on_gpu=False, trials=0)

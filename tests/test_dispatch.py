@@ -32,22 +32,26 @@ def _no_env(monkeypatch):
 
 
 AUTO_CASES = [
-    # Measured (results/sweep_paths.json): grouping is never chosen automatically for now; long
-    # prompts run per token (THRESHOLDS' grouped_min_tokens).
+    # Measured (results/sweep_paths.json): grouping only at 16 heads for 6K-11K-token pure prefills
+    # that masked MHA does not take; long prompts and cached prefixes run per token.
     # (id, step kwargs, expected path, fragment of the reason)
     ("short-prompt-dense", dict(new=(1500,)), "dense_mha", "whole prefix"),
     ("short-with-cache-dense", dict(cached=(1000,), new=(1000,)), "dense_mha", "2000 <= 2048"),
     ("two-requests-one-long", dict(cached=(0, 0), new=(1000, 3000)), "masked_mha", "work ratio"),
     ("deepseek-tp8-mid-masked", dict(new=(8192,)), "masked_mha", "H = 16"),
-    ("deepseek-tp8-long-grouped", dict(new=(32768,)), "mqa_per_token", "not grouped"),
+    ("deepseek-tp8-long-per-token", dict(new=(32768,)), "mqa_per_token", "not in [5888, 11520]"),
     ("deepseek-tp1-mid-per-token", dict(tp=1, new=(16384,)), "mqa_per_token", "G = 1"),
     ("deepseek-tp1-long-per-token", dict(tp=1, new=(65536,)), "mqa_per_token", "nothing to group"),
-    ("glm5-tp4-long-grouped", dict(model="glm-5", tp=4, new=(32768,)), "mqa_per_token", "not grouped"),
-    ("nope-tp1-long-grouped", dict(model="glm-5.3-flash", tp=1, new=(65536,)), "mqa_per_token", "not grouped"),
+    ("glm5-tp4-long-per-token", dict(model="glm-5", tp=4, new=(32768,)), "mqa_per_token", "not grouped"),
+    ("nope-tp1-long-per-token", dict(model="glm-5.3-flash", tp=1, new=(65536,)), "mqa_per_token", "not grouped"),
+    ("nope-tp4-8k-grouped", dict(model="glm-5.3-flash", tp=4, new=(8192,)), "mqa_grouped", "in [5888, 11520]"),
+    ("nope-tp4-8k-after-cache", dict(model="glm-5.3-flash", tp=4, cached=(4096,), new=(8192,)), "mqa_per_token",
+     "cached prefix"),
+    ("nope-tp2-8k-no-band", dict(model="glm-5.3-flash", tp=2, new=(8192,)), "mqa_per_token", "grouping off"),
     ("chunk-after-long-cache", dict(cached=(60000,), new=(2048,)), "mqa_per_token", "not grouped"),
     ("few-tokens-long-cache", dict(cached=(30000,), new=(8,)), "mqa_per_token", "not grouped"),
     ("cache-heavy-chunk", dict(cached=(20000,), new=(256,)), "mqa_per_token", "not grouped"),
-    ("window-cap", dict(new=(20000,)), "mqa_per_token", "not grouped"),
+    ("long-prompt-per-token", dict(new=(20000,)), "mqa_per_token", "work ratio"),
 ]
 
 

@@ -98,9 +98,14 @@ def _build(case: Case, seed: int):
     tl_ = None
     if case.topk_length:
         idx, tl_ = garbage_topk_length(idx.contiguous(), N, generator=g)
+    stride0 = case.lists == "identical" and not case.padded and not case.topk_length
+    if stride0:
+        # the expanded view made on the kernels' device: a copy to another device (CPU -> CUDA)
+        # materializes a stride-0 view, make_problem's .to(DEVICE) of a tensor already there keeps it
+        idx = idx[0].to(DEVICE).expand(T, K)
     p = make_problem(T, case.H, K, N, indices=idx, topk_length=tl_, seed=seed)
-    if case.lists == "identical" and not case.padded and not case.topk_length:
-        assert p.indices.stride(0) == 0  # make_problem kept the expanded view
+    if stride0:
+        assert p.indices.stride(0) == 0  # the kernels get one list for every token, stride 0
     return p
 
 

@@ -408,3 +408,14 @@ def test_masked_kernel_skips_empty_tiles():
     counts2 = torch.zeros_like(counts)
     layer_paths.MaskedMHA(block_m=16, block_n=32).run(p, o2, tile_counts=counts2)
     assert torch.equal(counts2, counts) and torch.equal(o2, out)
+
+
+def test_host_copies_refuse_cuda_graph_capture(monkeypatch):
+    """A pinned non-blocking copy captured into a CUDA graph would replay stale host data: refused
+    with a message pointing at the capturable entry point (checked before touching CUDA)."""
+    from sparse_mla.host import to_device_async
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="cannot be captured"):
+        to_device_async(torch.arange(4), "cuda")
+    assert torch.equal(to_device_async(torch.arange(4), "cpu"), torch.arange(4))  # CPU: a plain copy

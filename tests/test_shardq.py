@@ -467,7 +467,6 @@ def test_run_shardq_bench_on_gloo_ranks(tmp_path, monkeypatch, capsys):
     assert meta["dtype"] == "torch.float16" and "synthetic_topk" in meta["topk_source"] and meta["git_revision"]
     print_shardq_table(rows)
     assert "shardq/grouped" in capsys.readouterr().out
-    pytest.importorskip("matplotlib")
     plot_shardq(str(tmp_path / "bench.png"), rows)
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
 

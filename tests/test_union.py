@@ -5,13 +5,16 @@ its entries before topk_length that lie in [0, N); the union is the sorted set o
 row's membership word has bit i set iff the row is in query i's list. Also checked: -1 rows and 0
 bits after ``lengths``, rows up to the int32 limit, rows chosen to collide in the builder's hash
 table (long probe chains that wrap around the table end and spill past one probe chunk), and
-``plan_groups``.
+``plan_groups``. ``build_union``'s ``predicated_cas`` choice: every allowed form exact on a GPU (tiny
+probe tensors replicated across threads up to G = 8, K = 2048), a forced predicated CAS refused where
+it would be wrong.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import triton
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lib import (
@@ -25,8 +28,8 @@ from lib import (
     neighbour_rows,
 )
 
-from sparse_mla import build_group_union
-from sparse_mla.kernels.union import hash_table_slots, plan_groups
+from sparse_mla import SparseMLAWorkspace, build_group_union
+from sparse_mla.kernels.union import build_union, hash_table_slots, plan_groups, union_num_warps, use_predicated_cas
 
 
 def union_reference(indices: torch.Tensor, G: int, topk_length: torch.Tensor | None, N: int):
@@ -260,3 +263,96 @@ def test_plan_groups(G, lengths, T):
     assert (gl[len(lens):n] == 0).all(), "group slots past the last group must have length 0"
     assert rt[:T].tolist() == route and (rt[T:] == 7).all()
 
+
+
+def _build_union_direct(idx: torch.Tensor, G: int, topk_length: torch.Tensor | None, N: int,
+                        predicated_cas: bool | None, programs: int):
+    """``build_union`` with an explicit ``predicated_cas`` on ``programs`` persistent programs (fewer than
+    the groups, so each program builds several unions in one table). Returns the workspace."""
+    T, K = idx.shape
+    n_groups = -(-T // G)
+    ws = SparseMLAWorkspace(T, K, G, N, DEVICE)
+    gs, gl, ul = ws.group_start[:n_groups], ws.group_len[:n_groups], ws.union_len[:n_groups]
+    plan_groups(T, G, None, gs, gl, ws.route[:T])
+    build_union(idx, topk_length, N, G, gs, gl, ws.route[:T], ws.union_tables[:programs],
+                ws.union_table_bits[:programs], ws.union_rows[:n_groups], ws.union_bits[:n_groups], ul,
+                predicated_cas=predicated_cas)
+    return ws
+
+
+# (G, K): G_P * K_P below, at and far above 32 * num_warps (4 warps up to 2048 entries, 16 at 16384)
+PRED_SIZES = [
+    pytest.param(1, 1, id="G1-K1-total1"),
+    pytest.param(2, 16, id="G2-K16-total32"),
+    pytest.param(4, 12, id="G4-K12-total64"),
+    pytest.param(8, 12, id="G8-K12-total128-limit"),
+    pytest.param(16, 100, id="G16-K100-total2048"),
+    pytest.param(8, 2048, id="G8-K2048-total16384"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the predicated CAS is inline PTX: CUDA only")
+@pytest.mark.parametrize("mode", ["default", "off", "forced"])
+@pytest.mark.parametrize("G, K", PRED_SIZES)
+def test_predicated_cas_forms_match_sets(G, K, mode):
+    """Each ``predicated_cas`` form (None, False, True where allowed) builds the exact unions, with 2
+    programs for 5+ groups (table reuse across groups), padding and garbage past topk_length; the hash
+    tables are left clean. Forcing True where threads hold replicated entries raises ValueError."""
+    total = triton.next_power_of_2(G) * triton.next_power_of_2(K)
+    allowed = total >= 32 * union_num_warps(G, K)
+    predicated_cas = {"default": None, "off": False, "forced": True}[mode]
+    assert use_predicated_cas(True, G, K) == allowed
+    T = 5 * G + max(1, G // 2)  # five full groups and a short one
+    N = max(64, 4 * K)
+    g = torch.Generator().manual_seed(G * 1000 + K)
+    base = neighbour_rows(T, K, N, keep=0.5, generator=g) if K <= N // 2 else None
+    idx = adversarial_indices(T, K, N, base=base, generator=g,
+                              patterns=("clean", "pad_end", "clean", "pad_middle", "sentinels"))
+    idx, topk_length = garbage_topk_length(idx, N, generator=g)
+    topk_length[::3] = K  # most lists whole
+    if mode == "forced" and not allowed:
+        with pytest.raises(ValueError, match="32 \\* num_warps"):
+            _build_union_direct(idx.to(DEVICE), G, topk_length.to(DEVICE), N, True, programs=2)
+        return
+    ws = _build_union_direct(idx.to(DEVICE), G, topk_length.to(DEVICE), N, predicated_cas, programs=2)
+    expected = union_reference(idx, G, topk_length, N)
+    n_groups = len(expected)
+    lengths = ws.union_len[:n_groups].cpu()
+    rows, bits = ws.union_rows[:n_groups].cpu(), ws.union_bits[:n_groups].cpu()
+    for i, (urows, ubits) in enumerate(expected):
+        n = len(urows)
+        assert int(lengths[i]) == n, f"group {i}: length {int(lengths[i])} != {n}"
+        got, order = rows[i, :n].sort()
+        assert got.tolist() == urows, f"group {i}: union rows differ"
+        assert bits[i, :n][order].tolist() == ubits, f"group {i}: membership bits differ"
+    assert (ws.union_tables == -1).all() and (ws.union_table_bits == 0).all(), "hash tables must be left clean"
+
+
+@pytest.mark.parametrize("G, K", [pytest.param(1, 1, id="G1-K1"), pytest.param(2, 16, id="G2-K16-total32"),
+                                  pytest.param(4, 16, id="G4-K16-total64")])
+def test_forced_predicated_cas_below_the_block_size_raises(G, K):
+    """predicated_cas=True with G_P * K_P < 32 * num_warps raises ValueError before any launch (CPU
+    tensors: a launch would reach the interpreter, which cannot run the inline PTX)."""
+    assert triton.next_power_of_2(G) * triton.next_power_of_2(K) < 32 * union_num_warps(G, K)
+    idx = torch.arange(3 * G * K, dtype=torch.int32).view(3 * G, K)
+    T, N = idx.shape[0], 3 * G * K
+    ws = SparseMLAWorkspace(T, K, G, N, torch.device("cpu"))
+    with pytest.raises(ValueError, match="predicated_cas=True.*32 \\* num_warps"):
+        build_union(idx, None, N, G, ws.group_start, ws.group_len, ws.route, ws.union_tables, ws.union_table_bits,
+                    ws.union_rows, ws.union_bits, ws.union_len, predicated_cas=True)
+    with pytest.raises(ValueError, match="replicated"):
+        use_predicated_cas(True, G, K, True)
+
+
+def test_predicated_cas_decision():
+    """Predicated only on CUDA with G_P * K_P >= 32 * num_warps, and never when switched off."""
+    assert [union_num_warps(G, K) for G, K in [(8, 16), (16, 128), (8, 512), (8, 2048)]] == [4, 4, 8, 16]
+    assert use_predicated_cas(True, 8, 2048) and use_predicated_cas(True, 8, 2048, True)
+    assert use_predicated_cas(True, 8, 12)  # 8 * 16 = 128 = 32 * 4: one entry per thread
+    assert not use_predicated_cas(True, 4, 16)  # 64 < 128
+    assert not use_predicated_cas(True, 8, 2048, False)
+    assert not use_predicated_cas(False, 8, 2048)  # the interpreter cannot run inline PTX
+    assert not use_predicated_cas(True, 2, 16, False)
+    with pytest.raises(ValueError, match="CUDA"):
+        use_predicated_cas(False, 8, 2048, True)

@@ -3,7 +3,9 @@
 Every bad input must raise a TypeError (wrong type or dtype) or ValueError (shape, layout, device,
 value) whose message names the argument, before any kernel launch: the ``no_launch`` fixture
 replaces every kernel launcher that ``sparse_mla.interface`` calls with one that fails the test.
-Device mismatch is tested with a ``meta`` tensor, so it needs no second device.
+Device mismatch is tested with a ``meta`` tensor, so it needs no second device. bf16 under the
+interpreter (whose bf16 tl.dot is silently wrong) is refused with a TypeError, for ``sparse_mla_fwd``
+and the masked-MHA kernel entry.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from lib import DEVICE, DTYPE, INT_MAX
 
 import sparse_mla.interface as interface
+import sparse_mla.kernels.masked_mha as masked_mha
 from sparse_mla import SparseMLAWorkspace, build_group_union, sparse_mla_fwd, sparse_mla_ref
 
 T, H, D, N, K = 3, 2, 576, 16, 4
@@ -236,6 +239,56 @@ def test_cpu_tensors_need_the_interpreter(monkeypatch, no_launch):
         _call(a, method="per_token")
     with pytest.raises(ValueError, match="CUDA|TRITON_INTERPRET"):
         build_group_union(a["indices"], 2)
+
+
+@pytest.mark.parametrize("method", ["per_token", "grouped"])
+def test_bf16_under_the_interpreter_raises_before_launch(method, monkeypatch, no_launch):
+    """bf16 CPU tensors (which only the interpreter runs) raise a TypeError naming q: the interpreter's
+    bf16 tl.dot is wrong. On any machine: TRITON_INTERPRET=1 is set for the call, no kernel launches."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    a = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in _args().items()}
+    a["q"], a["kv"] = a["q"].to(torch.bfloat16), a["kv"].to(torch.bfloat16)
+    with pytest.raises(TypeError, match=r"\bq is bfloat16 on the CPU.*TRITON_INTERPRET=1.*float16"):
+        _call(a, method=method)
+
+
+def _masked_mha_args(dtype, device="cpu"):
+    """A valid masked-MHA call: one request of 3 new tokens after 5 cached, H = 2, qk 32 + 16, v 32."""
+    Tn, Hh, L = 3, 2, 8
+    g = torch.Generator().manual_seed(1)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(dtype).to(device)  # noqa: E731
+    plan = masked_mha.plan_masked_mha([5], [Tn], [0], [0], 16, device)
+    words = torch.full((max(plan.total_words, 1),), -1, dtype=torch.int32, device=device)
+    out = torch.empty(Tn, Hh, 32, dtype=dtype, device=device)
+    return (rnd(Tn, Hh, 32), rnd(Tn, Hh, 16), rnd(L, Hh, 32), rnd(L, 16), rnd(L, Hh, 32), words, plan, 0.1, out)
+
+
+@pytest.mark.parametrize("which, name", [
+    pytest.param(range(5), "q_nope", id="all-bf16"),
+    pytest.param([2], "k_nope", id="k_nope-bf16"),
+    pytest.param([4], "v", id="v-bf16"),
+])
+def test_masked_mha_bf16_under_the_interpreter_raises_before_launch(which, name, monkeypatch):
+    """The masked-MHA kernel entry refuses bf16 inputs under the interpreter with a TypeError naming the
+    first such argument, before its kernel is launched."""
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("the masked-MHA kernel was launched before the bf16 input was refused")
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(masked_mha, "_masked_mha_fwd_kernel", NoLaunch())
+    args = list(_masked_mha_args(torch.float16))
+    for i in which:
+        args[i] = args[i].to(torch.bfloat16)
+    with pytest.raises(TypeError, match=rf"\b{name} is bfloat16 on the CPU.*TRITON_INTERPRET=1"):
+        masked_mha.masked_mha_fwd(*args)
+
+
+def test_masked_mha_cpu_tensors_need_the_interpreter(monkeypatch):
+    """Without TRITON_INTERPRET=1 CPU tensors raise a ValueError (fp16 too) instead of launching."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"\bq_nope is on cpu.*TRITON_INTERPRET"):
+        masked_mha.masked_mha_fwd(*_masked_mha_args(torch.float16))
 
 
 @pytest.mark.parametrize("call, error, match", [

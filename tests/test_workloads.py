@@ -48,7 +48,7 @@ def test_model_dims(name, d_qk, heads, scale_dim):
 
 
 def test_model_dims_published_order():
-    # (heads, kv_lora_rank, qk_nope, qk_rope, v) as in DESIGN.md
+    # (heads, kv_lora_rank, qk_nope, qk_rope, v) as in docs/DESIGN.md
     got = {n: (c.num_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim) for n, c in MODELS.items()}
     assert got == {"deepseek-v3.2": (128, 512, 128, 64, 128), "glm-5": (64, 512, 192, 64, 256),
                    "glm-5.3-flash": (64, 512, 256, 0, 256)}

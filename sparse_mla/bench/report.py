@@ -26,8 +26,12 @@ FIELD_NOTES = {
            "chosen_path, chosen_reason, chosen_ms, chosen_tflops, chosen_speedup_vs_per_token, chosen_speedup_vs_pad64, "
            "best_path, max_rel_err, failures, paths",
     "paths": "per path (dense_mha, masked_mha, mqa_grouped, mqa_per_token, mqa_per_token_pad64): supported, reason; when "
-             "supported: rel_err, check_ok, ms (median of trials), min_ms, max_ms, trials_ms (each trial's median), tflops, "
-             "speedup_vs_per_token, speedup_vs_pad64 (None without a pad64 run, H >= 64); error if it raised",
+             "supported: rel_err, check_ok, ms (median of the trial medians), p20_ms / p80_ms (median over trials of each "
+             "trial's 20 % / 80 % quantile: the spread within a trial), min_ms / max_ms (fastest / slowest trial median: the "
+             "spread across trials), trials_ms (each trial's median), tflops, speedup_vs_per_token, speedup_vs_pad64 (None "
+             "without a pad64 run, H >= 64); error if it raised a RuntimeError (out of memory, a CUDA error)",
+    "best_path": "the fastest dispatcher path (sparse_mla.layer.dispatch.PATH_NAMES) whose check passed; never the pad64 "
+                 "baseline",
     "chosen": "chosen_path = sparse_mla.layer.explain(step), the dispatcher's automatic choice (SPARSE_MLA_PATH ignored); "
               "chosen_ms is the time of that path measured in this run with path= forced, not a separate run",
     "mqa_per_token_pad64": "baseline, not a dispatcher path: absorbed q zero-padded to 64 heads (FlashMLA's minimum on "
@@ -52,7 +56,7 @@ def provenance(interpreted: bool, trials: int) -> dict:
     import torch
     import triton
 
-    from .timing import REP_MS, WARMUP_MS
+    from .timing import QUANTILES, REP_MS, WARMUP_MS
 
     return {
         "command": " ".join(["sparse-mla", *sys.argv[1:]]),
@@ -64,7 +68,8 @@ def provenance(interpreted: bool, trials: int) -> dict:
         "timings_meaningful": not interpreted,
         "trials": trials,
         "timing": f"{trials} trial(s) of triton.testing.do_bench(warmup={WARMUP_MS} ms, rep={REP_MS} ms): CUDA events, "
-                  "L2 flushed between runs, median per trial; ms = median of the trials, min_ms / max_ms their spread"
+                  f"L2 flushed between runs, quantiles {list(QUANTILES)} per trial; ms = median of the trial medians, p20_ms / "
+                  "p80_ms = median of the trial quantiles, min_ms / max_ms = spread of the trial medians"
         if not interpreted else "one wall-clock run under TRITON_INTERPRET=1: not a performance number",
         "fields": FIELD_NOTES,
     }

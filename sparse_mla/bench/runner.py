@@ -23,6 +23,7 @@ faster path. ``floor_ms``: that work at 790 TFLOP/s or the per-token gather of t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -53,7 +54,8 @@ def floor_ms(step, elem_bytes: int) -> float:
 def _measure(fn: Callable[[], object], support: tuple[bool, str], out: torch.Tensor, refs: list, *, useful: int,
              on_gpu: bool, trials: int, tol: float) -> dict:
     """Check then time one path: {"supported", "reason"} plus, when supported, "rel_err",
-    "check_ok", the ``time_trials`` keys and "tflops" (or "error" if it raised)."""
+    "check_ok", the ``time_trials`` keys and "tflops", or "error" if the path raised a
+    RuntimeError (out of memory, a CUDA error); any other exception is a bug and propagates."""
     ok, why = support
     rec: dict = {"supported": ok, "reason": why}
     if not ok:
@@ -65,7 +67,7 @@ def _measure(fn: Callable[[], object], support: tuple[bool, str], out: torch.Ten
         rec.update(rel_err=err, check_ok=bool(err < tol))  # NaN fails
         rec.update(time_trials(fn, on_gpu=on_gpu, trials=trials))
         rec["tflops"] = useful / (rec["ms"] * 1e-3) / 1e12
-    except Exception as e:  # recorded (e.g. out of memory) so that one path does not end the run
+    except RuntimeError as e:  # torch.OutOfMemoryError included: recorded so that one path does not end the run
         rec["error"] = f"{type(e).__name__}: {e}"
         if on_gpu:
             torch.cuda.empty_cache()
@@ -74,6 +76,14 @@ def _measure(fn: Callable[[], object], support: tuple[bool, str], out: torch.Ten
 
 def _ratio(num: dict | None, den: dict) -> float | None:
     return num["ms"] / den["ms"] if num and "ms" in num and "ms" in den else None
+
+
+def best_path(paths: dict[str, dict]) -> str | None:
+    """The fastest dispatcher path (``PATH_NAMES``) that was timed and passed its check; None if
+    none did. The pad64 baseline (not a path the dispatcher can choose) is never the best."""
+    timed = {name: paths[name]["ms"] for name in PATH_NAMES
+             if name in paths and "ms" in paths[name] and paths[name].get("check_ok") is True}
+    return min(timed, key=timed.get) if timed else None
 
 
 def run_scenario(sc: Scenario, *, dtype: torch.dtype, device: torch.device, overlap: str = "mid", seed: int = 0,
@@ -92,7 +102,14 @@ def run_scenario(sc: Scenario, *, dtype: torch.dtype, device: torch.device, over
     Returns:
         JSON-ready dict (times in ms, rates in TFLOP/s; keys described in ``report.FIELD_NOTES``), with
         "failures": the paths whose check failed or that raised.
+
+    Raises:
+        ValueError: trials is not an int >= 1, or tol is not a finite float > 0 (before any kernel runs).
     """
+    if not isinstance(trials, int) or isinstance(trials, bool) or trials < 1:
+        raise ValueError(f"trials must be an int >= 1, got {trials!r}")
+    if not isinstance(tol, (int, float)) or isinstance(tol, bool) or not 0 < tol < math.inf:
+        raise ValueError(f"tol must be a finite number > 0, got {tol!r}")
     on_gpu = device.type == "cuda"
     if trace is None:
         inputs = make_inputs(sc.model, sc.cached, sc.new, sc.topk, sc.heads, overlap, seed, device, dtype)
@@ -123,7 +140,6 @@ def run_scenario(sc: Scenario, *, dtype: torch.dtype, device: torch.device, over
             rec["speedup_vs_per_token"] = _ratio(pt, rec)
             rec["speedup_vs_pad64"] = _ratio(pad, rec)
     union = union_stats(inputs, H, on_gpu=on_gpu, trials=trials)
-    timed = {name: rec["ms"] for name, rec in paths.items() if "ms" in rec}
     chosen = paths.get(chosen_name, {})
     errs = [rec["rel_err"] for rec in paths.values() if "rel_err" in rec]
     failures = [f"{name}: {rec['error']}" if "error" in rec else f"{name}: rel_err {rec['rel_err']:.2e} >= {tol}"
@@ -141,11 +157,11 @@ def run_scenario(sc: Scenario, *, dtype: torch.dtype, device: torch.device, over
         "chosen_ms": chosen.get("ms"), "chosen_tflops": chosen.get("tflops"),
         "chosen_speedup_vs_per_token": chosen.get("speedup_vs_per_token"),
         "chosen_speedup_vs_pad64": chosen.get("speedup_vs_pad64"),
-        "best_path": min(timed, key=timed.get) if timed else None,
+        "best_path": best_path(paths),
         "max_rel_err": max(errs) if errs and all(e == e for e in errs) else float("nan"),
         "failures": failures,
         "paths": paths,
     }
 
 
-__all__ = ["run_scenario", "floor_ms", "CHECK_TOL", "PEAK_FLOPS", "PEAK_BYTES"]
+__all__ = ["run_scenario", "best_path", "floor_ms", "CHECK_TOL", "PEAK_FLOPS", "PEAK_BYTES"]

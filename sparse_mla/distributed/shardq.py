@@ -3,7 +3,7 @@
 Under tensor parallelism (TP, W ranks) rank s holds heads ``[s * H / W, (s + 1) * H / W)`` of every
 token (the usual column-parallel split of q_b_proj / W_UK). Sparse MLA at few heads per rank is
 bound by gathering each query's top-k latent rows, which only H / W heads then share. ShardQ
-(DESIGN.md "ShardQ") regroups the work so each rank runs *all* H heads of a slice of the tokens:
+(docs/DESIGN.md "ShardQ") regroups the work so each rank runs *all* H heads of a slice of the tokens:
 
 1. split the step's real token rows into 2W chunks, rank r takes chunks r and 2W - 1 - r
    (``zigzag.zigzag_chunks``, balanced causal work);
@@ -38,7 +38,7 @@ from .zigzag import zigzag_chunks
 
 logger = logging.getLogger("sparse_mla")
 
-# Published break-even of ShardQ over plain TP: about 1024 tokens per step (DESIGN.md "ShardQ").
+# Published break-even of ShardQ over plain TP: about 1024 tokens per step (docs/DESIGN.md "ShardQ").
 DEFAULT_MIN_TOKENS = 1024
 
 AttnFn = Callable[..., Any]
@@ -240,7 +240,7 @@ def shardq_sparse_mla_fwd(
 
     Takes and returns the TP head-sharded layout, so it drops in where ``tp_sparse_mla_fwd`` (each
     rank ``sparse_mla_fwd`` on its heads) would run, and returns the same result (semantics:
-    ``sparse_mla_ref`` on this rank's heads; DESIGN.md "ShardQ"). A collective: every rank of
+    ``sparse_mla_ref`` on this rank's heads; docs/DESIGN.md "ShardQ"). A collective: every rank of
     ``group`` must call it with the same T, K, D_qk, H / W, num_real_tokens, min_tokens,
     return_lse, method and presence of topk_length (the split sizes are computed on the host from
     them; a mismatch fails or hangs in the all-to-all). ``kv``, ``indices`` and ``topk_length``

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ..host import to_device_async
+from ..validation import require_kernel_tensor
 
 LOG2E = 1.4426950408889634
 META_COLS = 8  # q_start, q_len, pos0, kv_start, kpe_row0, word_base, n_words, request
@@ -329,8 +330,14 @@ def masked_mha_fwd(
         out.
 
     Raises:
-        ValueError: block_n not a power-of-two multiple of 32, tile_counts of the wrong shape or dtype.
+        ValueError: block_n not a power-of-two multiple of 32, tile_counts of the wrong shape or dtype,
+            a tensor on neither CUDA nor the CPU under TRITON_INTERPRET=1.
+        TypeError: a bf16 q / k / v under the interpreter (its bf16 tl.dot is wrong;
+            ``validation.require_kernel_tensor``).
     """
+    for name, x in (("q_nope", q_nope), ("q_pe", q_pe), ("k_nope", k_nope), ("k_pe", k_pe), ("v", v)):
+        if x is not None:
+            require_kernel_tensor(name, x)
     T, H, d_nope = q_nope.shape
     if T == 0 or plan.num_blocks == 0:
         return out

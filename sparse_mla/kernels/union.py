@@ -81,7 +81,13 @@ def _cas_where(ptr, cmp, val, act, PRED_CAS: tl.constexpr):
     """atomic CAS issued by the lanes with ``act`` only (old value -1 elsewhere) when PRED_CAS;
     else every lane CASes (a lane with nothing to insert passes cmp == val == -1, a no-op that
     still costs an atomic). tl.atomic_cas has no mask; the predicated form is inline PTX, which the
-    interpreter cannot run."""
+    interpreter cannot run.
+
+    PRED_CAS needs a tensor with no replicated elements (at least 32 * num_warps elements, see
+    ``use_predicated_cas``): where the layout gives several threads a copy of one element,
+    tl.atomic_cas issues the atomic from one copy and broadcasts its result, but inline asm runs in
+    every copy, so the second copy sees the first copy's row instead of -1 and the copies disagree
+    on whether the row was inserted (rows lost or appended twice)."""
     if PRED_CAS:
         return tl.inline_asm_elementwise(
             """{
@@ -166,6 +172,9 @@ def _build_union_kernel(
                     tl.store(GROUP_LEN + g, 0)
                     tl.store(ROUTE + tok, tl.full([G_P], 1, tl.int8), mask=q_ok)
         tl.store(ULEN + g, u)
+        # the resets above (atomic_xchg of this group's slots) must be done, by every thread,
+        # before any thread CASes the next group's rows into the same table
+        tl.debug_barrier()
 
 
 def plan_groups(
@@ -189,6 +198,44 @@ def hash_table_slots(group_size: int, topk: int) -> int:
     return 2 * triton.next_power_of_2(group_size) * triton.next_power_of_2(topk)
 
 
+def union_num_warps(group_size: int, topk: int) -> int:
+    """num_warps of the union builder for G, K: 4 up to G_P * K_P = 2048, 8 up to 8192, else 16."""
+    total = triton.next_power_of_2(group_size) * triton.next_power_of_2(topk)
+    return 4 if total <= 2048 else (8 if total <= 8192 else 16)
+
+
+def use_predicated_cas(is_cuda: bool, group_size: int, topk: int, predicated_cas: bool | None = None) -> bool:
+    """Whether ``build_union`` issues its probing CAS as predicated inline PTX (``_cas_where``).
+
+    Only where every element of the [G_P * K_P] probe tensor lives in exactly one thread:
+    G_P * K_P >= 32 * num_warps (the builder's 1-D layout puts one element per thread, so smaller
+    tensors are replicated across threads, and inline asm would run the atomic once per copy), and
+    only on CUDA (the interpreter cannot run PTX). ``predicated_cas``: None = wherever allowed,
+    False = never.
+
+    Raises:
+        ValueError: ``predicated_cas=True`` where it is not allowed (a tensor too small for the
+            block, or not CUDA).
+    """
+    total = triton.next_power_of_2(group_size) * triton.next_power_of_2(topk)
+    threads = 32 * union_num_warps(group_size, topk)
+    if predicated_cas is not None and not predicated_cas:
+        return False
+    if total < threads:
+        if predicated_cas:
+            raise ValueError(
+                f"predicated_cas=True needs G_P * K_P >= 32 * num_warps = {threads} probe entries per group, got "
+                f"{total} (G = {group_size}, K = {topk}): a smaller tensor is replicated across threads and the "
+                "inline-PTX CAS would run once per copy, building wrong unions; leave predicated_cas None or False"
+            )
+        return False
+    if not is_cuda:
+        if predicated_cas:
+            raise ValueError("predicated_cas=True needs CUDA tensors: the inline-PTX CAS cannot run in the interpreter")
+        return False
+    return True
+
+
 def build_union(
     indices: torch.Tensor, topk_length: torch.Tensor | None, num_kv_rows: int, group_size: int,
     group_start: torch.Tensor, group_len: torch.Tensor, route: torch.Tensor,
@@ -202,22 +249,25 @@ def build_union(
     Writes rows / bits [num_groups, >= G * K] int32 (first union_len[g] entries, unsorted) and
     union_len. With ``guard_ratio``, a group whose union holds more than ``guard_ratio`` times its
     mean valid list length gets ``group_len = 0`` and its tokens ``route = 1`` (they run per token).
-    ``predicated_cas`` (default: on CUDA) issues the probing CAS from the still-active lanes only
-    (inline PTX); False keeps ``tl.atomic_cas`` on every lane, the interpreter's form.
+
+    ``predicated_cas`` issues the probing CAS from the still-active lanes only (inline PTX) instead
+    of ``tl.atomic_cas`` on every lane (the interpreter's form). None (default): predicated on CUDA
+    when G_P * K_P >= 32 * num_warps (``use_predicated_cas``); below that, threads hold replicated
+    copies of the probe entries and the inline PTX would run the CAS once per copy. False: never.
+    True: forced; raises ValueError (before any launch) where it is not allowed.
     """
+    K = indices.shape[1]
+    pred = use_predicated_cas(indices.is_cuda, group_size, K, predicated_cas)
     num_groups = group_start.shape[0]
     if num_groups == 0:
         return
-    K = indices.shape[1]
     g_p, k_p = triton.next_power_of_2(group_size), triton.next_power_of_2(K)
     slots = tables.shape[1]
-    total = g_p * k_p
-    warps = 4 if total <= 2048 else (8 if total <= 8192 else 16)
     _build_union_kernel[(min(tables.shape[0], num_groups),)](
         indices, topk_length if topk_length is not None else indices, group_start, group_len, route,
         tables, table_bits, rows, bits, union_len,
         indices.stride(0), rows.stride(0), num_kv_rows, K, num_groups, float(guard_ratio or 0.0),
         G_P=g_p, K_P=k_p, LOG_S=slots.bit_length() - 1, BLOCK_C=1024,
         HAS_TOPK_LEN=topk_length is not None, GUARD=guard_ratio is not None,
-        PRED_CAS=indices.is_cuda if predicated_cas is None else bool(predicated_cas), num_warps=warps,
+        PRED_CAS=pred, num_warps=union_num_warps(group_size, K),
     )

@@ -20,8 +20,9 @@ import math
 from dataclasses import replace
 
 from ..workloads.models import MODELS
+from . import dispatch
 from .config import PrefillStep
-from .dispatch import NEVER, PATHS, THRESHOLDS, HeadsThresholds, auto_path, has_cached_prefix, work_ratio
+from .dispatch import NEVER, PATHS, HeadsThresholds, auto_path, has_cached_prefix, work_ratio
 
 TOLERANCE = 1.05  # the layer issue: the automatic choice within 5% of the best path
 
@@ -39,8 +40,10 @@ def row_step(row: dict) -> PrefillStep:
 
 def measured_ms(row: dict) -> dict[str, float]:
     """{path: median ms} of the dispatcher's paths the row timed (errors, skips and baselines such
-    as the benchmark's pad-64 column left out)."""
-    return {p: v["ms"] for p, v in row["paths"].items() if p in PATHS and v.get("ms") is not None}
+    as the benchmark's pad-64 column left out, and so are paths whose output check failed: a fast
+    wrong path must not become the best)."""
+    return {p: v["ms"] for p, v in row["paths"].items()
+            if p in PATHS and v.get("ms") is not None and not v.get("check_failed") and v.get("check_ok", True)}
 
 
 def choice(step: PrefillStep, table: tuple[HeadsThresholds, ...] | None = None) -> str:
@@ -79,6 +82,11 @@ def _between(lo: float, candidates: list[float]) -> float:
     return math.sqrt(lo * min(above)) if above else lo * 1.1
 
 
+def _round_up(x: float) -> float:
+    """x rounded up to 3 decimals (a limit must still admit the point it was placed above)."""
+    return math.ceil(x * 1000 - 1e-9) / 1000
+
+
 def _slowdowns(pts: list[tuple[PrefillStep, dict[str, float]]], table: tuple[HeadsThresholds, ...]) -> list[float]:
     out = []
     for s, ms in pts:
@@ -106,8 +114,8 @@ def _fit_bucket(cur: HeadsThresholds, pts: list[tuple[PrefillStep, dict[str, flo
                     for rp, rc, w in itertools.product([0.0, *pure], [0.0, *cached], [*windows, NEVER])), key=key)
         best = min((replace(best, grouped_min_tokens=a, grouped_max_tokens=b) for a, b in bands), key=key)
     # place every limit between the last measured point it admits and the next one
-    rp = round(_between(best.masked_max_ratio_pure, pure), 3)
-    rc = round(_between(best.masked_max_ratio_cached, cached), 3)
+    rp = _round_up(_between(best.masked_max_ratio_pure, pure))
+    rc = _round_up(_between(best.masked_max_ratio_cached, cached))
     w = best.masked_max_window
     if rp == rc == 0.0:
         w = 0  # masked MHA never chosen: no window limit to state
@@ -138,11 +146,12 @@ def fit_thresholds(rows: list[dict], table: tuple[HeadsThresholds, ...] | None =
     no or the narrowest grouping band (the simplest rule that explains the timings). A bucket
     without measured points keeps its row.
     """
-    table = table or THRESHOLDS
+    table = table or dispatch.THRESHOLDS  # read at call time, like the dispatcher
     fitted = []
     lo_heads = 0
-    for cur in table:
-        pts = [(row_step(r), measured_ms(r)) for r in rows if lo_heads < r["heads"] <= cur.max_heads]
+    for k, cur in enumerate(table):
+        last = k == len(table) - 1  # the last row also serves more heads than its max_heads
+        pts = [(row_step(r), measured_ms(r)) for r in rows if lo_heads < r["heads"] and (last or r["heads"] <= cur.max_heads)]
         pts = [(s, ms) for s, ms in pts if ms]
         lo_heads = cur.max_heads
         fitted.append(_fit_bucket(cur, pts) if pts else cur)

@@ -78,15 +78,17 @@ class HeadsThresholds:
 # fit_thresholds' answer on it; the automatic choice is then the best measured path (within the
 # timing noise, worst 1.00x) at every point. Grouping pays only at 16 heads for 6K-11K-token steps
 # (the union of the early tokens' short windows is nearly free); beyond, its union build costs
-# more than it saves (NOTES-GPU.md).
+# more than it saves (NOTES-GPU.md). Each limit sits halfway (geometric) between the last measured
+# win and the first loss; at 128 heads those gaps are wide (pure: won at 0.39, lost at 0.67; cached:
+# won at 0.44, lost at 0.88), which is why its cached limit ends up above its pure one.
 THRESHOLDS: tuple[HeadsThresholds, ...] = (
     HeadsThresholds(16, masked_max_ratio_pure=1.109, masked_max_ratio_cached=0.814, masked_max_window=65536,
                     grouped_min_tokens=5888, grouped_max_tokens=11520),
-    HeadsThresholds(32, masked_max_ratio_pure=0.67, masked_max_ratio_cached=0.558, masked_max_window=65536,
+    HeadsThresholds(32, masked_max_ratio_pure=0.67, masked_max_ratio_cached=0.559, masked_max_window=65536,
                     grouped_min_tokens=NEVER),
-    HeadsThresholds(64, masked_max_ratio_pure=0.67, masked_max_ratio_cached=0.558, masked_max_window=65536,
+    HeadsThresholds(64, masked_max_ratio_pure=0.67, masked_max_ratio_cached=0.559, masked_max_window=65536,
                     grouped_min_tokens=NEVER),
-    HeadsThresholds(128, masked_max_ratio_pure=0.513, masked_max_ratio_cached=0.624, masked_max_window=65536,
+    HeadsThresholds(128, masked_max_ratio_pure=0.514, masked_max_ratio_cached=0.624, masked_max_window=65536,
                     grouped_min_tokens=NEVER),
 )
 

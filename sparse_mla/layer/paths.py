@@ -1,4 +1,4 @@
-"""The four execution paths of the layer-level DSA prefill (DESIGN.md "The paths").
+"""The four execution paths of the layer-level DSA prefill (docs/DESIGN.md "The paths").
 
 Each path is an object with a ``name``, ``supports(step) -> (ok, reason)`` (plain Python on a
 ``PrefillStep``: can it compute this step exactly, within its memory caps) and

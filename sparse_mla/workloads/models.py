@@ -1,6 +1,6 @@
 """Attention dimensions of the DSA (DeepSeek Sparse Attention) models this package targets.
 
-Source of the numbers: the published model configs (DESIGN.md "The paths": DeepSeek-V3.2
+Source of the numbers: the published model configs (docs/DESIGN.md "The paths": DeepSeek-V3.2
 heads 128, kv_lora 512, qk_nope 128, qk_rope 64, v 128; GLM-5 64, 512, 192, 64, 256;
 GLM-5.3-Flash NoPE 64, 512, 256, 0, 256), with the indexer's top-k 2048 (``index_topk``).
 """

@@ -2,7 +2,7 @@
 
 Union ratio of a group of G consecutive queries = (distinct valid rows in the union of their
 lists) / (mean number of valid rows per query of the group): 1 when all lists are equal, G when
-they are disjoint (DESIGN.md "Grouped execution"; the grouped kernel gathers the union once).
+they are disjoint (docs/DESIGN.md "Grouped execution"; the grouped kernel gathers the union once).
 
 Plain torch (sort-based, vectorized), no Triton: runs on any device without the interpreter.
 """

@@ -27,7 +27,7 @@ Presets (``OVERLAP_PRESETS``), measured with ``sparse_mla.workloads.stats.union_
 context: cached = 28672, new = 4096 (positions 28K..32K), topk = 2048, seeds 0 and 1 (equal to
 3 digits), groups of G consecutive queries aligned at t = 0 (the within-request layout):
 
-    preset   G=2     G=4     G=8     G=16     published target (DESIGN.md)
+    preset   G=2     G=4     G=8     G=16     published target (docs/DESIGN.md)
     high     1.150   1.198   1.200   1.204    G=2 ~1.15, G=8 ~1.2
     mid      1.150   1.327   1.401   1.548    G=2 ~1.15, G=8 ~1.4
     low      1.150   1.447   1.701   1.844    G=2 ~1.15, G=8 ~1.7

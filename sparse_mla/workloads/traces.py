@@ -2,7 +2,7 @@
 
 A trace holds, per attention layer, the indexer's output for the T query tokens of one step:
 ``topk`` [T, K] int32 (rows or request-local positions, -1 = padding) and ``valid`` [T] int32
-(how many leading entries of each row count, DESIGN.md "Workloads"), plus an optional layer id.
+(how many leading entries of each row count, docs/DESIGN.md "Workloads"), plus an optional layer id.
 
 File layouts read by ``load_trace`` (``save_trace`` writes the first of each):
 
