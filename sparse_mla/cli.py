@@ -69,6 +69,9 @@ def _given(ctx: typer.Context, *params: str) -> list[str]:
     """The command-line spelling (--name) of each of ``params`` set explicitly (not left at its default).
 
     ParameterSource is compared by name: recent typer releases carry their own copy of click's enum."""
+    unknown = [p for p in params if p not in ctx.params]
+    if unknown:
+        raise AssertionError(f"_given: not parameters of this command: {unknown}")
     sources = {p: getattr(ctx.get_parameter_source(p), "name", "DEFAULT") for p in params}
     return ["--" + p.replace("_", "-") for p, src in sources.items() if src not in ("DEFAULT", "DEFAULT_MAP")]
 
@@ -250,12 +253,25 @@ def bench(
 
 @app.command("report")
 def report_cmd(
-    json_file: Annotated[str, typer.Argument(help="A `sparse-mla bench` JSON, e.g. results/bench.json.")],
+    json_file: Annotated[str, typer.Argument(help="A `sparse-mla bench` JSON, e.g. results/bench.json (a `--tp W` "
+                                                  "ShardQ JSON prints its ShardQ-vs-TP table).")],
 ) -> None:
     """Print the README's markdown table of a bench JSON (the README table is generated from the
     committed JSON, never typed)."""
+    import json as _json
+
     from .bench.report import markdown_table, read_json
 
+    try:
+        with open(json_file) as f:
+            doc = _json.load(f)
+    except (OSError, ValueError) as e:
+        raise typer.BadParameter(str(e), param_hint="JSON_FILE") from None
+    if isinstance(doc, dict) and "summary" in doc and doc.get("meta", {}).get("world_size"):
+        from .bench.shardq import print_shardq_table  # a `--tp W` run under torchrun: ShardQ vs TP
+
+        print_shardq_table(doc["results"])
+        return
     try:
         meta, rows = read_json(json_file)
     except (OSError, ValueError) as e:

@@ -92,6 +92,15 @@ def test_report_renders_committed_results():
         assert f"| {r['scenario']} |" in res.output
 
 
+def test_report_renders_committed_shardq_results():
+    """A `--tp W` run's JSON (ShardQ vs TP) prints its own table rather than a schema error."""
+    shardq = COMMITTED.parent / "bench_shardq.json"
+    res = RUNNER.invoke(app, ["report", str(shardq)], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    for s in json.loads(shardq.read_text())["summary"]:
+        assert f"{s['speedup']:.2f}x" in res.output
+
+
 def test_report_rejects_other_json(tmp_path):
     f = tmp_path / "x.json"
     f.write_text(json.dumps({"meta": {}, "results": [{"scenario": "a"}]}))

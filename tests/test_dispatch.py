@@ -251,3 +251,42 @@ def test_choice_always_supported(model, tp, reqs, topk, dense_topk, has_topk_len
         assert d.path == forced
     if forced is None and d.supports["dense_mha"][0]:
         assert d.path == "dense_mha"
+
+
+def test_calibration_edge_cases(monkeypatch):
+    """Rows beyond the last bucket's heads fit the last bucket; a fast path whose check failed is not
+    'best'; the fit reads dispatch.THRESHOLDS at call time; a rounded limit never admits the next
+    measured point."""
+    from sparse_mla.layer import calibration
+
+    def row(heads, new, masked, per_token, **masked_extra):
+        return {"model": "deepseek-v3.2", "heads": heads, "cached": 0, "new": new, "topk": TOPK,
+                "paths": {"masked_mha": {"ms": masked, **masked_extra}, "mqa_per_token": {"ms": per_token}}}
+
+    assert calibration.measured_ms(row(16, 4096, 1.0, 2.0, check_ok=False)) == {"mqa_per_token": 2.0}
+    assert calibration.measured_ms(row(16, 4096, 1.0, 2.0, check_failed=True)) == {"mqa_per_token": 2.0}
+    R = dispatch.HeadsThresholds
+    monkeypatch.setattr(dispatch, "THRESHOLDS", (R(16, 0.0, 0.0, 0, dispatch.NEVER), R(128, 0.0, 0.0, 0, dispatch.NEVER)))
+    # 256 heads (beyond the table) with masked MHA winning at 4K: the last row learns it
+    fitted = calibration.fit_thresholds([row(256, 4096, 1.0, 2.0), row(256, 16384, 9.0, 3.0)])
+    assert len(fitted) == 2 and fitted[0] == dispatch.THRESHOLDS[0]
+    assert fitted[1].masked_max_ratio_pure > 0 and calibration.evaluate([row(256, 4096, 1.0, 2.0)], fitted)[0]["slowdown"] == 1.0
+    # limits are rounded up to 3 decimals unless that would admit the next measured point
+    assert calibration._limit(0.5, [0.5, 0.6]) == 0.548
+    x = calibration._limit(0.5, [0.5, 0.5008])
+    assert 0.5 <= x < 0.5008
+
+
+def test_bf16_under_the_interpreter_declines_the_kernel_paths(monkeypatch):
+    """The interpreter computes bf16 dots wrongly: the kernel paths say so in supports() (the step
+    then runs dense MHA when that is exact, or fails with every path's reason), never garbage."""
+    import torch
+
+    from sparse_mla.layer.config import kernels_available
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cpu = torch.device("cpu")
+    assert kernels_available(cpu, torch.float16) and not kernels_available(cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="no path supports this step.*bf16 dots wrongly"):
+        explain(step(new=(8192,), kernels_available=False))
+    assert explain(step(new=(1024,), kernels_available=False)).path == "dense_mha"

@@ -27,6 +27,8 @@ import math
 from collections.abc import Callable
 
 import torch
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
 
 from ..layer import dsa_prefill, explain
 from ..layer.config import causal_sums
@@ -67,7 +69,9 @@ def _measure(fn: Callable[[], object], support: tuple[bool, str], out: torch.Ten
         rec.update(rel_err=err, check_ok=bool(err < tol))  # NaN fails
         rec.update(time_trials(fn, on_gpu=on_gpu, trials=trials))
         rec["tflops"] = useful / (rec["ms"] * 1e-3) / 1e12
-    except RuntimeError as e:  # torch.OutOfMemoryError included: recorded so that one path does not end the run
+    except (RuntimeError, OutOfResources, CompilationError) as e:
+        # torch.OutOfMemoryError (a RuntimeError) and Triton's resource / compile errors (a config that does
+        # not fit this GPU): recorded so that one path does not end the run; programming errors propagate
         rec["error"] = f"{type(e).__name__}: {e}"
         if on_gpu:
             torch.cuda.empty_cache()

@@ -82,9 +82,13 @@ def _between(lo: float, candidates: list[float]) -> float:
     return math.sqrt(lo * min(above)) if above else lo * 1.1
 
 
-def _round_up(x: float) -> float:
-    """x rounded up to 3 decimals (a limit must still admit the point it was placed above)."""
-    return math.ceil(x * 1000 - 1e-9) / 1000
+def _limit(lo: float, candidates: list[float]) -> float:
+    """``_between(lo, candidates)`` rounded up to 3 decimals (it must still admit ``lo``) unless that
+    would reach the next measured point (it must not admit that one); then unrounded."""
+    x = _between(lo, candidates)
+    r = math.ceil(x * 1000 - 1e-9) / 1000
+    above = [c for c in candidates if c > lo]
+    return x if above and r >= min(above) else r
 
 
 def _slowdowns(pts: list[tuple[PrefillStep, dict[str, float]]], table: tuple[HeadsThresholds, ...]) -> list[float]:
@@ -114,8 +118,8 @@ def _fit_bucket(cur: HeadsThresholds, pts: list[tuple[PrefillStep, dict[str, flo
                     for rp, rc, w in itertools.product([0.0, *pure], [0.0, *cached], [*windows, NEVER])), key=key)
         best = min((replace(best, grouped_min_tokens=a, grouped_max_tokens=b) for a, b in bands), key=key)
     # place every limit between the last measured point it admits and the next one
-    rp = _round_up(_between(best.masked_max_ratio_pure, pure))
-    rc = _round_up(_between(best.masked_max_ratio_cached, cached))
+    rp = _limit(best.masked_max_ratio_pure, pure)
+    rc = _limit(best.masked_max_ratio_cached, cached)
     w = best.masked_max_window
     if rp == rc == 0.0:
         w = 0  # masked MHA never chosen: no window limit to state

@@ -164,9 +164,13 @@ def causal_sums(cached: int, new: int, topk: int | None = None) -> int:
     return m * cached + m * (m + 1) // 2 + (new - m) * topk
 
 
-def kernels_available(device: torch.device) -> bool:
-    """Triton kernels run on CUDA, or on the CPU through the interpreter (TRITON_INTERPRET=1)."""
-    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+def kernels_available(device: torch.device, dtype: torch.dtype | None = None) -> bool:
+    """Triton kernels run on CUDA, or on the CPU through the interpreter (TRITON_INTERPRET=1), and not
+    in bf16 under the interpreter (its bf16 tl.dot is wrong; ``validation.require_kernel_tensor``)."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if dtype == torch.bfloat16 and interpreted:
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and interpreted)
 
 
 @dataclass(frozen=True)
@@ -387,7 +391,7 @@ def validate_dsa_prefill_args(
             raise ValueError(f"request {b}: rows row_offsets + cached + new = {o} + {c} + {n} exceed the cache's N = {N} rows")
 
     step = PrefillStep(H, r, d_nope, d_rope, d_v, K, cached, new, dense_topk=dense_topk,
-                       has_topk_length=topk_length is not None, kernels_available=kernels_available(q_nope.device))
+                       has_topk_length=topk_length is not None, kernels_available=kernels_available(q_nope.device, q_nope.dtype))
     p = DSAPrefillProblem(q_nope, q_pe, w3, kv_c, k_pe, kv_rows, indices, topk_length, float(sm_scale), row_offsets, step)
     if check:
         check_layer_contents(p)

@@ -38,6 +38,9 @@ MASKED_MHA_MAX_HEAD_DIM = 512  # qk_nope + qk_rope and v_head_dim, register budg
 MHA_MAX_DECOMPRESSED_BYTES = 16 * 2**30  # decompressed K/V, sum(cached + new) * H * (qk_nope + v) * 2
 MASKED_MHA_MAX_MASK_BYTES = 2 * 2**30  # packed masks, sum over requests of new * ceil(window / 32) * 4
 
+KERNELS_UNAVAILABLE = ("Triton kernels need CUDA, or fp16 CPU tensors with TRITON_INTERPRET=1 "
+                       "(the interpreter computes bf16 dots wrongly)")
+
 # F.scaled_dot_product_attention through a module attribute, so tests can observe its arguments.
 _sdpa = F.scaled_dot_product_attention
 
@@ -145,7 +148,7 @@ class MaskedMHA:
 
     def supports(self, step: PrefillStep) -> tuple[bool, str]:
         if not step.kernels_available:
-            return False, "Triton kernels need CUDA (or CPU with TRITON_INTERPRET=1)"
+            return False, KERNELS_UNAVAILABLE
         if step.mha_qk_head_dim > MASKED_MHA_MAX_HEAD_DIM or step.v_head_dim > MASKED_MHA_MAX_HEAD_DIM:
             return False, f"head dims {step.mha_qk_head_dim}/{step.v_head_dim} > {MASKED_MHA_MAX_HEAD_DIM}"
         if decompressed_bytes(step) > MHA_MAX_DECOMPRESSED_BYTES:
@@ -179,7 +182,7 @@ class SparseMQA:
 
     def supports(self, step: PrefillStep) -> tuple[bool, str]:
         if not step.kernels_available:
-            return False, "Triton kernels need CUDA (or CPU with TRITON_INTERPRET=1)"
+            return False, KERNELS_UNAVAILABLE
         if step.kv_lora_rank not in MQA_KV_LORA_RANKS or step.qk_rope_head_dim not in MQA_ROPE_DIMS:
             return False, (f"the sparse MQA kernels take kv_lora_rank in {MQA_KV_LORA_RANKS} and qk_rope in "
                            f"{MQA_ROPE_DIMS}, got {step.kv_lora_rank} and {step.qk_rope_head_dim}")
