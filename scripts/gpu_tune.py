@@ -11,7 +11,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -22,6 +21,7 @@ import triton.testing
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sparse_mla import SparseMLAWorkspace, build_group_union, sparse_mla_fwd, sparse_mla_ref  # noqa: E402
+from sparse_mla.bench.report import git_revision  # noqa: E402
 from sparse_mla.kernels.sparse_mqa import sparse_mqa_grouped, sparse_mqa_per_token  # noqa: E402
 from sparse_mla.kernels.union import build_union, plan_groups  # noqa: E402
 from sparse_mla.selection import overlap_guard_ratio  # noqa: E402
@@ -172,11 +172,7 @@ def main() -> None:
         grouped_runs(args.quick)
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
-    try:
-        rev = os.environ.get("GIT_REV") or subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-    except Exception:  # noqa: BLE001
-        rev = "unknown"
-    meta = dict(command=" ".join(sys.argv), git_revision=rev, gpu=torch.cuda.get_device_name(), date=datetime.datetime.now().isoformat(),
+    meta = dict(command=" ".join(sys.argv), git_revision=git_revision(), gpu=torch.cuda.get_device_name(), date=datetime.datetime.now().isoformat(),
                 torch=torch.__version__, triton=triton.__version__, wall_s=time.time() - t0)
     with open(os.path.join(out_dir, "tune.json"), "w") as f:
         json.dump(dict(meta=meta, results=RESULTS), f, indent=1)

@@ -38,6 +38,7 @@ def main() -> int:
     import triton.testing
 
     from sparse_mla import SparseMLAWorkspace, default_group_size, sparse_mla_fwd
+    from sparse_mla.bench.report import git_revision
     from sparse_mla.kernels.union import build_union, plan_groups
     from sparse_mla.workloads import synthetic_batch
 
@@ -103,7 +104,7 @@ def main() -> int:
             torch.cuda.empty_cache()
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
-    doc = {"command": " ".join([sys.executable, *sys.argv]), "git_revision": os.environ.get("GIT_REV", "unknown"),
+    doc = {"command": " ".join([sys.executable, *sys.argv]), "git_revision": git_revision(),
            "gpu": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "torch": torch.__version__, "triton": triton.__version__,
            "timing": "triton.testing.do_bench median, L2 flushed; grouped_attention_ms = grouped_total_ms - union_predicated_ms",

@@ -30,7 +30,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -67,17 +66,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def git_rev() -> str:
-    if os.environ.get("GIT_REV"):  # the GPU box gets a copy of the tree without .git
-        return os.environ["GIT_REV"]
-    try:
-        rev = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout
-        return rev + ("-dirty" if dirty.strip() else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.pop("SPARSE_MLA_PATH", None)  # the "auto" column must be the dispatcher's own choice
@@ -102,6 +90,7 @@ def main(argv=None) -> int:
 
     from sparse_mla.bench.check import rel_err
     from sparse_mla.bench.inputs import make_inputs, slice_heads, sub_problem
+    from sparse_mla.bench.report import git_revision
     from sparse_mla.layer import PrefillStep, dsa_prefill, dsa_prefill_ref, explain
     from sparse_mla.layer.dispatch import THRESHOLDS, mha_work, sparse_work, work_ratio
     from sparse_mla.workloads.models import MODELS
@@ -131,7 +120,7 @@ def main(argv=None) -> int:
     work.sort(key=lambda w: w[0])
 
     meta = {
-        "command": " ".join([sys.executable, *sys.argv]), "git_rev": git_rev(),
+        "command": " ".join([sys.executable, *sys.argv]), "git_rev": git_revision(),
         "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke test, Triton interpreter)",
         "torch": torch.__version__, "triton": triton.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

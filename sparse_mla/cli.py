@@ -258,22 +258,19 @@ def report_cmd(
 ) -> None:
     """Print the README's markdown table of a bench JSON (the README table is generated from the
     committed JSON, never typed)."""
-    import json as _json
+    import json
 
-    from .bench.report import markdown_table, read_json
+    from .bench.report import bench_rows, is_shardq_json, markdown_table
 
     try:
         with open(json_file) as f:
-            doc = _json.load(f)
-    except (OSError, ValueError) as e:
-        raise typer.BadParameter(str(e), param_hint="JSON_FILE") from None
-    if isinstance(doc, dict) and "summary" in doc and doc.get("meta", {}).get("world_size"):
-        from .bench.shardq import print_shardq_table  # a `--tp W` run under torchrun: ShardQ vs TP
+            doc = json.load(f)
+        if is_shardq_json(doc):
+            from .bench.shardq import print_shardq_table  # a `--tp W` run under torchrun: ShardQ vs TP
 
-        print_shardq_table(doc["results"])
-        return
-    try:
-        meta, rows = read_json(json_file)
+            print_shardq_table(doc["results"])
+            return
+        meta, rows = bench_rows(doc, json_file)
     except (OSError, ValueError) as e:
         raise typer.BadParameter(str(e), param_hint="JSON_FILE") from None
     typer.echo(f"<!-- `sparse-mla report {json_file}`: {meta.get('gpu', '?')}, rev {meta.get('git_revision', '?')}, "

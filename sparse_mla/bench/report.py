@@ -46,13 +46,19 @@ FIELD_NOTES = {
 }
 
 
-def provenance(interpreted: bool, trials: int) -> dict:
-    """Command, git revision, GPU, date, versions and the timing method for the JSON's meta."""
+def git_revision() -> str:
+    """The revision results are recorded at: $GIT_REV when set (the GPU box gets a copy of the tree
+    without .git), else ``git rev-parse HEAD`` of this checkout, else "unknown"."""
     try:
-        rev = os.environ.get("GIT_REV") or subprocess.check_output(
+        return os.environ.get("GIT_REV") or subprocess.check_output(
             ["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL, cwd=os.path.dirname(__file__)).strip()
     except (OSError, subprocess.CalledProcessError):
-        rev = "unknown"
+        return "unknown"
+
+
+def provenance(interpreted: bool, trials: int) -> dict:
+    """Command, git revision, GPU, date, versions and the timing method for the JSON's meta."""
+    rev = git_revision()
     import torch
     import triton
 
@@ -149,18 +155,21 @@ def write_json(path: str, meta: dict, rows: list[dict], **extra: object) -> None
         json.dump({"meta": meta, "results": rows, **extra}, f, indent=1)
 
 
-def read_json(path: str) -> tuple[dict, list[dict]]:
-    """(meta, rows) of a ``sparse-mla bench`` JSON.
+def is_shardq_json(doc: object) -> bool:
+    """Whether a loaded JSON is a ``--tp W`` run under torchrun (ShardQ vs TP rows and a summary)."""
+    return isinstance(doc, dict) and "summary" in doc and bool(doc.get("meta", {}).get("world_size"))
+
+
+def bench_rows(doc: object, path: str) -> tuple[dict, list[dict]]:
+    """(meta, rows) of a loaded single-GPU ``sparse-mla bench`` JSON.
 
     Raises:
-        OSError: unreadable file. ValueError: not JSON, or not the layer bench's layout.
+        ValueError: not the layer bench's layout (``path`` names the file in the message).
     """
-    with open(path) as f:
-        data = json.load(f)
-    rows = data.get("results") if isinstance(data, dict) else None
+    rows = doc.get("results") if isinstance(doc, dict) else None
     if not isinstance(rows, list) or not all(isinstance(r, dict) and "paths" in r and "chosen_path" in r for r in rows):
         raise ValueError(f"{path}: not a `sparse-mla bench` JSON (expected results[] rows with 'paths' and 'chosen_path')")
-    return data.get("meta", {}), rows
+    return doc.get("meta", {}), rows
 
 
 def plot(path: str, rows: list[dict], interpreted: bool) -> None:
@@ -191,4 +200,5 @@ def plot(path: str, rows: list[dict], interpreted: bool) -> None:
     plt.close(fig)
 
 
-__all__ = ["provenance", "print_table", "markdown_table", "write_json", "read_json", "plot", "FIELD_NOTES", "SHORT"]
+__all__ = ["git_revision", "provenance", "print_table", "markdown_table", "write_json", "bench_rows", "is_shardq_json", "plot",
+           "FIELD_NOTES", "SHORT"]
