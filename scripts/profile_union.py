@@ -39,7 +39,7 @@ def main() -> int:
 
     from sparse_mla import SparseMLAWorkspace, default_group_size, sparse_mla_fwd
     from sparse_mla.bench.report import git_revision
-    from sparse_mla.kernels.union import build_union, plan_groups
+    from sparse_mla.union.triton_tl import build_union, plan_groups
     from sparse_mla.workloads import synthetic_batch
 
     dev = torch.device("cuda")

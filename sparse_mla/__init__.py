@@ -1,6 +1,6 @@
 """sparse-mla: exact DeepSeek Sparse Attention (DSA) prefill on Hopper, in Triton.
 
-Public entry points (semantics: ``sparse_mla.reference``; docs/DESIGN.md):
+Public entry points (semantics: ``sparse_mla.mqa.reference``; docs/DESIGN.md):
 
 * ``sparse_mla_fwd``: sparse MLA prefill, per-token or grouped (union of G queries' top-k).
 * ``build_group_union``: the per-group union of top-k lists with membership bits.
@@ -23,7 +23,7 @@ _EXPORTS = {
     "sparse_mla_fwd": "sparse_mla.interface",
     "build_group_union": "sparse_mla.interface",
     "GroupUnion": "sparse_mla.interface",
-    "sparse_mla_ref": "sparse_mla.reference",
+    "sparse_mla_ref": "sparse_mla.mqa.reference",
     "SparseMLAWorkspace": "sparse_mla.workspace",
     "default_group_size": "sparse_mla.workspace",
     "dsa_prefill": "sparse_mla.layer",

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.sparse_mqa import D_V, sparse_mqa_grouped, sparse_mqa_per_token
-from .kernels.union import MAX_GROUP_SIZE, build_union, plan_groups
+from .mqa.triton_tl import D_V, sparse_mqa_grouped, sparse_mqa_per_token
+from .union.triton_tl import MAX_GROUP_SIZE, build_union, plan_groups
 from .selection import overlap_guard_ratio, resolve_method
 from .validation import require_kernel_tensor, validate_sparse_mla_args
 from .workspace import SparseMLAWorkspace, default_group_size
@@ -41,7 +41,7 @@ def sparse_mla_fwd(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA prefill (MQA / absorbed form): each query attends to its own top-k kv rows.
 
-    Semantics: ``sparse_mla.reference.sparse_mla_ref`` (docs/DESIGN.md "Ground truth"); every method
+    Semantics: ``sparse_mla.mqa.reference.sparse_mla_ref`` (docs/DESIGN.md "Ground truth"); every method
     returns that result up to bf16 rounding and fp32 summation order.
 
     Args:

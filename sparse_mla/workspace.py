@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .kernels.union import MAX_GROUP_SIZE, hash_table_slots
+from .union.triton_tl import MAX_GROUP_SIZE, hash_table_slots
 
 
 def default_group_size(num_heads: int) -> int:

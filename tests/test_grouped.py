@@ -34,7 +34,7 @@ from lib import (
 )
 
 from sparse_mla import SparseMLAWorkspace, default_group_size, selection, sparse_mla_fwd, sparse_mla_ref
-from sparse_mla.kernels.union import hash_table_slots
+from sparse_mla.union.triton_tl import hash_table_slots
 from sparse_mla.selection import overlap_guard_ratio
 
 
@@ -229,7 +229,7 @@ def test_hash_collisions_end_to_end(K, overlap):
     """Every row of a group hashes to the last slot of the union builder's table (``lib.colliding_rows``
     mirrors its hash), so the union is built along one probe chain that wraps to slot 0. The result must
     be exact whichever way the builder handles a long chain: a group it reports as overflowed
-    (union_len -1, see ``kernels.union.build_union``) must have been routed per token."""
+    (union_len -1, see ``sparse_mla.union.triton_tl.build_union``) must have been routed per token."""
     H, T = 32, 6  # G = 4: groups of 4 and 2
     G = default_group_size(H)
     log_s = hash_table_slots(G, K).bit_length() - 1

@@ -36,7 +36,7 @@ from sparse_mla.distributed import (
     zigzag_inverse,
     zigzag_partition,
 )
-from sparse_mla.reference import sparse_mla_ref
+from sparse_mla.mqa.reference import sparse_mla_ref
 
 D_QK, D_V = 576, 512
 SENTINELS = (-1, INT_MIN, None, INT_MAX)  # None = N, the first row past the cache

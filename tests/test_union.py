@@ -29,7 +29,7 @@ from lib import (
 )
 
 from sparse_mla import SparseMLAWorkspace, build_group_union
-from sparse_mla.kernels.union import build_union, hash_table_slots, plan_groups, union_num_warps, use_predicated_cas
+from sparse_mla.union.triton_tl import build_union, hash_table_slots, plan_groups, union_num_warps, use_predicated_cas
 
 
 def union_reference(indices: torch.Tensor, G: int, topk_length: torch.Tensor | None, N: int):

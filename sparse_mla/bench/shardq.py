@@ -230,7 +230,7 @@ def _bench_point(cfg: MLAConfig, T: int, *, topk: int, overlap: str, trials: int
     """Every variant at one (model, T) on this rank; returns the rows (the same on every rank)."""
     from ..distributed import shardq_sparse_mla_fwd, tp_sparse_mla_fwd
     from ..interface import sparse_mla_fwd
-    from ..reference import sparse_mla_ref
+    from ..mqa.reference import sparse_mla_ref
     from ..workloads.topk import synthetic_topk
     from ..workspace import SparseMLAWorkspace, default_group_size
 

@@ -1,5 +1,5 @@
 """Kernel-level union figures of a step: the union ratio the grouped kernel sees and the time of
-building the unions (``kernels.union``: group plan + hash-table union builder), as the grouped
+building the unions (``sparse_mla.union.triton_tl``: group plan + hash-table union builder), as the grouped
 path forms them (G = ``default_group_size(H)`` = 128 // H queries, groups inside the request).
 """
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.union import build_union, plan_groups
+from ..union.triton_tl import build_union, plan_groups
 from ..layer.config import restrict_to_windows, token_windows
 from ..validation import counted_entries
 from ..workspace import SparseMLAWorkspace, default_group_size

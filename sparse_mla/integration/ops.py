@@ -17,7 +17,7 @@ Importing this module registers (the bodies import the Triton kernels lazily, on
 
 Each op has a fake (meta) implementation for shape propagation, which runs the same argument
 checks as the eager path, so bad shapes raise at trace time too. Inference only: no autograd.
-Semantics: ``sparse_mla.reference.sparse_mla_ref`` and
+Semantics: ``sparse_mla.mqa.reference.sparse_mla_ref`` and
 ``sparse_mla.integration.block_table.convert_req_index_to_global_ref``.
 """
 

@@ -29,8 +29,10 @@ import torch
 import triton
 
 from ..interface import sparse_mla_fwd
-from ..kernels import index_convert, sparse_mqa, union
-from ..kernels.union import MAX_GROUP_SIZE
+from ..kernels import index_convert
+from ..mqa import triton_tl as sparse_mqa
+from ..union import triton_tl as union
+from ..union.triton_tl import MAX_GROUP_SIZE
 from ..validation import KERNEL_DTYPES, SUPPORTED_D_QK, flatten_kv
 from ..workspace import SparseMLAWorkspace, default_group_size
 from .block_table import convert_req_index_to_global

@@ -40,7 +40,7 @@ def dsa_prefill(
     token's top-k cache rows, returned per head in the MHA form.
 
     Semantics: ``sparse_mla.layer.reference.dsa_prefill_ref`` (per-token sparse MLA of
-    ``sparse_mla.reference.sparse_mla_ref`` through kv_b_proj; docs/DESIGN.md "The paths"). Every path
+    ``sparse_mla.mqa.reference.sparse_mla_ref`` through kv_b_proj; docs/DESIGN.md "The paths"). Every path
     returns that value up to bf16 rounding and fp32 summation order.
 
     Args:

@@ -1,6 +1,6 @@
 """fp32 references of the layer-level DSA prefill (what every path of ``dsa_prefill`` reproduces).
 
-The definition (docs/DESIGN.md "The paths"; per-token sparse MLA of ``sparse_mla.reference``, lifted to
+The definition (docs/DESIGN.md "The paths"; per-token sparse MLA of ``sparse_mla.mqa.reference``, lifted to
 the MLA layer through kv_b_proj). With W = kv_b_proj.weight viewed as [H, qk_nope + v, r]
 (W_UK[h] = W[h, :qk_nope], W_UV[h] = W[h, qk_nope:]):
 
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..reference import sparse_mla_ref
+from ..mqa.reference import sparse_mla_ref
 from .config import restrict_to_windows, token_windows, validate_dsa_prefill_args
 
 REF_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .validation import validate_sparse_mla_args
+from ..validation import validate_sparse_mla_args
 
 
 def sparse_mla_ref(

@@ -13,7 +13,7 @@ plus [BLOCK_N, 64] RoPE part when D_qk = 576), with an online softmax in base 2.
   sorted union rows of the group, and a row counts for query i only where bit i of its
   membership word is set. ``group_len[g] == 0`` means "not grouped" and the program returns.
 
-Both modes compute exactly the per-token definition of ``sparse_mla.reference``.
+Both modes compute exactly the per-token definition of ``sparse_mla.mqa.reference``.
 """
 
 from __future__ import annotations
