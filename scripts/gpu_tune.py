@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sparse_mla import SparseMLAWorkspace, build_group_union, sparse_mla_fwd, sparse_mla_ref  # noqa: E402
 from sparse_mla.bench.report import git_revision  # noqa: E402
 from sparse_mla.mqa.triton_tl import sparse_mqa_grouped, sparse_mqa_per_token  # noqa: E402
-from sparse_mla.union.triton_tl import build_union, plan_groups  # noqa: E402
 from sparse_mla.selection import overlap_guard_ratio  # noqa: E402
+from sparse_mla.union.triton_tl import build_union, plan_groups  # noqa: E402
 
 DEV = "cuda"
 D_QK, D_V = 576, 512

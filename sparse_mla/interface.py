@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from .mqa.triton_tl import D_V, sparse_mqa_grouped, sparse_mqa_per_token
-from .union.triton_tl import MAX_GROUP_SIZE, build_union, plan_groups
 from .selection import overlap_guard_ratio, resolve_method
+from .union.triton_tl import MAX_GROUP_SIZE, build_union, plan_groups
 from .validation import require_kernel_tensor, validate_sparse_mla_args
 from .workspace import SparseMLAWorkspace, default_group_size
 

@@ -34,8 +34,8 @@ from lib import (
 )
 
 from sparse_mla import SparseMLAWorkspace, default_group_size, selection, sparse_mla_fwd, sparse_mla_ref
-from sparse_mla.union.triton_tl import hash_table_slots
 from sparse_mla.selection import overlap_guard_ratio
+from sparse_mla.union.triton_tl import hash_table_slots
 
 
 @dataclass

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..union.triton_tl import build_union, plan_groups
 from ..layer.config import restrict_to_windows, token_windows
+from ..union.triton_tl import build_union, plan_groups
 from ..validation import counted_entries
 from ..workspace import SparseMLAWorkspace, default_group_size
 from .timing import time_trials
