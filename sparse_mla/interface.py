@@ -1,8 +1,9 @@
 """Public entry points: ``sparse_mla_fwd`` and ``build_group_union``.
 
-Layering: Triton kernels (``sparse_mla.kernels``) <- launchers that take validated tensors and
-workspace buffers <- these functions, which validate, allocate (unless given a workspace and
-outputs) and pick the kernel.
+Layering: kernels by backend (``sparse_mla.mqa``: Triton ``triton_tl`` and Gluon ``gluon_sm90``;
+``sparse_mla.union``) <- launchers that take validated tensors and workspace buffers <- one
+selection point per op (``sparse_mla.mqa.backends``) <- these functions, which validate, allocate
+(unless given a workspace and outputs) and pick the method (per token or grouped).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .mqa.triton_tl import D_V, sparse_mqa_grouped, sparse_mqa_per_token
+from .mqa import backends as mqa_backends
+from .mqa.triton_tl import D_V
 from .selection import overlap_guard_ratio, resolve_method
 from .union.triton_tl import MAX_GROUP_SIZE, build_union, plan_groups
 from .validation import require_kernel_tensor, validate_sparse_mla_args
@@ -109,7 +111,7 @@ def sparse_mla_fwd(
         return (out, lse) if return_lse else out
 
     if chosen == "per_token":
-        sparse_mqa_per_token(p.q, p.kv, p.indices, p.sm_scale, p.topk_length, out, lse)
+        mqa_backends.per_token(p.q, p.kv, p.indices, p.sm_scale, p.topk_length, out, lse)
     else:
         ws = workspace or SparseMLAWorkspace(T, p.topk, G, p.num_kv_rows, q.device)
         ok, why = ws.fits(T, p.topk, G, p.num_kv_rows)
@@ -130,8 +132,8 @@ def _grouped_forward(p, G: int, ws: SparseMLAWorkspace, out: torch.Tensor, lse: 
     plan_groups(T, G, p.cu_seqlens_q, gs, gl, route)
     build_union(p.indices, p.topk_length, p.num_kv_rows, G, gs, gl, route, ws.union_tables, ws.union_table_bits,
                 ws.union_rows, ws.union_bits, ul, guard_ratio=guard)
-    sparse_mqa_grouped(p.q, p.kv, p.sm_scale, G, ws.union_rows, ws.union_bits, ul, gs, gl, out, lse)
-    sparse_mqa_per_token(p.q, p.kv, p.indices, p.sm_scale, p.topk_length, out, lse, route=route)
+    mqa_backends.grouped(p.q, p.kv, p.sm_scale, G, ws.union_rows, ws.union_bits, ul, gs, gl, out, lse)
+    mqa_backends.per_token(p.q, p.kv, p.indices, p.sm_scale, p.topk_length, out, lse, route=route)
 
 
 @dataclass

@@ -1,0 +1,152 @@
+"""Attention-kernel benchmark of the Gluon sm_90 backend against the Triton backend (same run, same tensors).
+
+Protocol of issue 12 (KERNEL-NOTES.md "Measured side by side"): T 8192, topk 2048, 32K kv rows, query i takes
+2048 distinct uniform rows of [0, 24576 + i], unsorted; do_bench median, L2 flushed. Per-token at 128 / 64 heads
+(and 32 / 16 for reference); grouped attention alone (union given, built once by the Triton builder) on the
+"mid" synthetic top-k of 16K cached + 8K new tokens at 16 heads (G = 8), 32 heads (G = 4), 8 heads (G = 16).
+Every row: time, TFLOP/s (per-token: useful FLOPs 2 * H * valid * 1088; grouped: computed tile FLOPs
+2 * 128 * union rows * 1088 per group, and useful), the roofline floor (compute at 790 TFLOP/s; gather at
+4.3 TB/s), and the max relative error per (token, head) row against the fp32 reference on sampled tokens.
+
+    python scripts/bench_gluon.py --json results/gluon-v1.json [--quick] [--variants a,b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+import triton
+
+from sparse_mla import SparseMLAWorkspace, sparse_mla_ref
+from sparse_mla.bench.report import git_revision
+from sparse_mla.mqa import backends
+from sparse_mla.union.triton_tl import build_union, plan_groups
+from sparse_mla.workloads import synthetic_batch
+
+PEAK_TFLOPS, HBM_TBS = 790.0, 4.3
+D_QK, D_V = 576, 512
+
+
+def causal_uniform(T, K, N, P0, dev):
+    idx = torch.empty(T, K, device=dev, dtype=torch.int32)
+    ar = torch.arange(N, device=dev)
+    for i0 in range(0, T, 1024):
+        n = min(1024, T - i0)
+        r = torch.rand(n, N, device=dev)
+        lim = P0 + torch.arange(i0, i0 + n, device=dev)
+        r[ar[None, :] > lim[:, None]] = -1.0
+        idx[i0:i0 + n] = r.topk(K, dim=1).indices.to(torch.int32)
+    return idx
+
+
+def row_err(out, ref):
+    o, r = out.float().flatten(0, -2), ref.float().flatten(0, -2)
+    den = r.norm(dim=-1).clamp(min=1e-30)
+    return ((o - r).norm(dim=-1) / den).max().item()
+
+
+def timed(fn):
+    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def per_token_rows(H, T, K, N, dev, names):
+    torch.manual_seed(0)
+    q = (torch.randn(T, H, D_QK, device=dev) * 0.5).to(torch.bfloat16)
+    kv = (torch.randn(N, D_QK, device=dev) * 0.5).to(torch.bfloat16)
+    idx = causal_uniform(T, K, N, N - T, dev)
+    sm = D_QK ** -0.5
+    flops = 2 * T * H * K * (D_QK + D_V)
+    toks = torch.randperm(T, device=dev)[:32]
+    ref, _ = sparse_mla_ref(q[toks], kv, idx[toks], sm)
+    out = torch.empty(T, H, D_V, device=dev, dtype=torch.bfloat16)
+    lse = torch.empty(T, H, device=dev, dtype=torch.float32)
+    gather = T * K * D_QK * 2
+    rows = []
+    for name in names:
+        os.environ[backends.ENV_VAR] = name
+        out.fill_(float("nan"))
+        fn = lambda: backends.per_token(q, kv, idx, sm, None, out, lse)  # noqa: E731
+        fn()
+        torch.cuda.synchronize()
+        err = row_err(out[toks], ref)
+        ms = timed(fn)
+        rows.append(dict(case=f"per_token H{H}", backend=name, ms=ms, tflops=flops / ms * 1e-9,
+                         floor_ms=max(flops / PEAK_TFLOPS * 1e-9, gather / HBM_TBS * 1e-9), max_row_err=err))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def grouped_rows(H, cached, new, K, dev, names):
+    G = 128 // H
+    b = synthetic_batch([cached], [new], K, "mid", seed=0, device=dev)
+    idx = b.indices
+    T, N = idx.shape[0], cached + new
+    torch.manual_seed(1)
+    q = (torch.randn(T, H, D_QK, device=dev) * 0.5).to(torch.bfloat16)
+    kv = (torch.randn(N, D_QK, device=dev) * 0.5).to(torch.bfloat16)
+    sm = D_QK ** -0.5
+    ws = SparseMLAWorkspace(T, K, G, N, dev)
+    ng = -(-T // G)
+    gs, gl_, ul, route = ws.group_start[:ng], ws.group_len[:ng], ws.union_len[:ng], ws.route[:T]
+    plan_groups(T, G, None, gs, gl_, route)
+    build_union(idx, b.valid, N, G, gs, gl_, route, ws.union_tables, ws.union_table_bits, ws.union_rows,
+                ws.union_bits, ul)
+    torch.cuda.synchronize()
+    urows = int(ul.clamp(min=0).sum())
+    valid = int(b.valid.sum())
+    computed = 2 * 128 * urows * (D_QK + D_V)
+    useful = 2 * H * valid * (D_QK + D_V)
+    toks = torch.randperm(T, device=dev)[:64]
+    ref, _ = sparse_mla_ref(q[toks], kv, idx[toks], sm, topk_length=b.valid[toks])
+    out = torch.empty(T, H, D_V, device=dev, dtype=torch.bfloat16)
+    lse = torch.empty(T, H, device=dev, dtype=torch.float32)
+    rows = []
+    for name in names:
+        os.environ[backends.ENV_VAR] = name
+        out.fill_(float("nan"))
+        fn = lambda: backends.grouped(q, kv, sm, G, ws.union_rows, ws.union_bits, ul, gs, gl_, out, lse)  # noqa: E731
+        fn()
+        torch.cuda.synchronize()
+        err = row_err(out[toks], ref)
+        ms = timed(fn)
+        rows.append(dict(case=f"grouped H{H} G{G} {cached}+{new} mid", backend=name, ms=ms,
+                         tflops=computed / ms * 1e-9, useful_tflops=useful / ms * 1e-9,
+                         union_ratio=urows / (valid / G), floor_ms=max(computed / PEAK_TFLOPS * 1e-9,
+                                                                      urows * D_QK * 2 / HBM_TBS * 1e-9),
+                         max_row_err=err))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", required=True, help="where to write the results JSON")
+    ap.add_argument("--quick", action="store_true", help="128/64-head per-token and 16-head grouped only")
+    ap.add_argument("--backends", default="gluon_sm90,triton", help="comma-separated backends to time")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    names = a.backends.split(",")
+    rows = []
+    for H in ((128, 64) if a.quick else (128, 64, 32, 16)):
+        rows += per_token_rows(H, 8192, 2048, 32768, dev, names)
+    for H in ((16, ) if a.quick else (16, 32, 8)):
+        rows += grouped_rows(H, 16384, 8192, 2048, dev, names)
+    meta = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv), git_revision=git_revision(),
+                gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                torch=torch.__version__, triton=triton.__version__,
+                timing="triton.testing.do_bench median (warmup 50 ms, rep 300 ms), L2 flushed")
+    with open(a.json, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"\n{'case':<34} {'backend':<11} {'ms':>8} {'TFLOP/s':>8} {'floor ms':>8} {'row err':>8}")
+    for r in rows:
+        print(f"{r['case']:<34} {r['backend']:<11} {r['ms']:8.3f} {r['tflops']:8.1f} {r['floor_ms']:8.3f} "
+              f"{r['max_row_err']:8.1e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""The one selection point of the sparse MQA attention backend (per-token and grouped launches).
+
+Backends:
+
+* ``"gluon_sm90"``: ``sparse_mla.mqa.gluon_sm90``, the warp-specialized Hopper kernel. Applies on a
+  CUDA device of compute capability 9.0 (wgmma is sm_90a-only), with a Triton whose Gluon API the
+  kernel is written against (``gluon_sm90.SUPPORTED_TRITON``), not under ``TRITON_INTERPRET=1``,
+  bf16 / fp16, and 16-byte aligned q, kv, out (base pointers and row strides; cp.async moves 16 B).
+* ``"triton"``: ``sparse_mla.mqa.triton_tl``, the portable kernel: every other case, and the
+  CPU-tested twin every other backend is held to.
+
+``SPARSE_MLA_MQA_BACKEND`` = ``auto`` (default) | ``triton`` | ``gluon_sm90`` forces one; forcing a
+backend that does not apply raises ``ValueError`` with the reason. Each launch logs one debug line
+(logger ``sparse_mla``) naming the backend and why; ``describe_backend`` gives the same text.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from . import triton_tl
+
+logger = logging.getLogger("sparse_mla")
+
+BACKENDS = ("triton", "gluon_sm90")
+ENV_VAR = "SPARSE_MLA_MQA_BACKEND"
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def gluon_sm90_applies(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None = None) -> tuple[bool, str]:
+    """Whether the Gluon sm_90 kernel can run on these tensors, with the reason when it cannot.
+
+    q [T, H, D_qk], kv [N, D_qk] (flattened rows), out [T, H, 512] or None (allocated contiguous).
+    Plain Python over tensor metadata: no device sync, no CUDA query beyond the device capability.
+    """
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False, "TRITON_INTERPRET=1 (the interpreter runs tl kernels only)"
+    cap = _capability(q.device)
+    if cap is None:
+        return False, f"q is on {q.device}, not a CUDA device"
+    if cap != (9, 0):
+        return False, f"compute capability {cap[0]}.{cap[1]}: the kernel uses sm_90a wgmma (Hopper only)"
+    from . import gluon_sm90
+
+    if gluon_sm90.GLUON_IMPORT_ERROR is not None:
+        return False, f"Gluon is not importable ({gluon_sm90.GLUON_IMPORT_ERROR})"
+    if not gluon_sm90.triton_version_supported():
+        import triton
+
+        return False, (f"triton {triton.__version__}: the Gluon kernel is written against triton "
+                       f"{', '.join(gluon_sm90.SUPPORTED_TRITON)}.x (its API changes between releases)")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return False, f"dtype {q.dtype} (bf16 / fp16 only)"
+    tensors = [("q", q, (0, 1)), ("kv", kv, (0, ))] + ([("out", out, (0, 1))] if out is not None else [])
+    for name, t, dims in tensors:
+        if t.stride(-1) != 1:
+            return False, f"{name} has last-dim stride {t.stride(-1)} (cp.async needs contiguous rows)"
+        if t.data_ptr() % 16:
+            return False, f"{name} is not 16-byte aligned (cp.async moves 16 B)"
+        bad = [d for d in dims if t.stride(d) % 16]
+        if bad:
+            return False, f"{name} stride {t.stride(bad[0])} along dim {bad[0]} is not a multiple of 16 elements"
+    return True, "Hopper (sm_90) with triton " + ", ".join(gluon_sm90.SUPPORTED_TRITON)
+
+
+def select_backend(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None = None) -> tuple[str, str]:
+    """(backend, reason) for a launch on these tensors, honouring ``SPARSE_MLA_MQA_BACKEND``.
+
+    Raises:
+        ValueError: the variable names an unknown backend, or forces one that does not apply here.
+    """
+    forced = os.environ.get(ENV_VAR, "auto").strip() or "auto"
+    if forced not in ("auto", *BACKENDS):
+        raise ValueError(f"{ENV_VAR} must be one of auto, {', '.join(BACKENDS)}; got {forced!r}")
+    ok, why = gluon_sm90_applies(q, kv, out)
+    if forced == "triton":
+        return "triton", f"forced by {ENV_VAR}=triton"
+    if forced == "gluon_sm90":
+        if not ok:
+            raise ValueError(f"{ENV_VAR}=gluon_sm90 but the Gluon kernel does not apply: {why}")
+        return "gluon_sm90", f"forced by {ENV_VAR}=gluon_sm90"
+    if ok:
+        return "gluon_sm90", why
+    return "triton", f"gluon_sm90 does not apply: {why}"
+
+
+def describe_backend(q: torch.Tensor, kv: torch.Tensor) -> str:
+    """One line for ``explain()``: which attention backend runs on such tensors, and why."""
+    try:
+        name, why = select_backend(q, kv)
+    except ValueError as exc:
+        return f"attention backend: error ({exc})"
+    return f"attention backend: {name} ({why})"
+
+
+def per_token(q, kv, indices, sm_scale: float, topk_length, out, lse, route=None) -> str:
+    """Per-token sparse MQA on validated tensors (``sparse_mla.interface.sparse_mla_fwd``): picks the
+    backend, logs it, launches, and returns the backend's name."""
+    name, why = select_backend(q, kv, out)
+    logger.debug("sparse MQA per-token: backend %s (%s)", name, why)
+    if name == "gluon_sm90":
+        from . import gluon_sm90
+
+        gluon_sm90.launch(q, kv, indices, None, topk_length, None, None, route, out, lse, sm_scale,
+                          grouped=False, num_lists=q.shape[0], group_heads=q.shape[1])
+    else:
+        triton_tl.sparse_mqa_per_token(q, kv, indices, sm_scale, topk_length, out, lse, route=route)
+    return name
+
+
+def grouped(q, kv, sm_scale: float, group_size: int, union_rows, union_bits, union_len, group_start, group_len,
+            out, lse) -> str:
+    """Grouped sparse MQA (128 pseudo-heads = G queries x H heads over each group's union rows) on
+    validated tensors; picks the backend, logs it, launches, and returns the backend's name."""
+    name, why = select_backend(q, kv, out)
+    logger.debug("sparse MQA grouped: backend %s (%s)", name, why)
+    if name == "gluon_sm90":
+        from . import gluon_sm90
+
+        gluon_sm90.launch(q, kv, union_rows, union_bits, union_len, group_start, group_len, None, out, lse,
+                          sm_scale, grouped=True, num_lists=group_start.shape[0], group_heads=group_size * q.shape[1])
+    else:
+        triton_tl.sparse_mqa_grouped(q, kv, sm_scale, group_size, union_rows, union_bits, union_len, group_start,
+                                     group_len, out, lse)
+    return name

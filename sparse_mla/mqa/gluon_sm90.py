@@ -1,0 +1,332 @@
+"""Warp-specialized Gluon kernel for sparse MQA on Hopper (sm_90): per-token and grouped tiles.
+
+One CTA computes a tile of 64 *pseudo-heads* over a list of kv rows:
+
+* per-token mode: pseudo-head r of m-block mb is head ``mb * 64 + r`` of token ``t``; the rows are
+  ``indices[t, :topk_length[t]]`` (entries < 0 or >= N are invalid: never read, masked out);
+* grouped mode: pseudo-head p = mb * 64 + r is head ``p % H`` of query ``p // H`` of the group
+  (``group_start[g] + p // H``); the rows are the group's union rows, and a row counts for query i
+  only where bit i of its membership word is set (``sparse_mla.union``). ``group_len[g] == 0``
+  means the group runs per token and its CTAs write nothing.
+
+Warp roles (``gl.warp_specialize``): a producer partition (``PRODUCER_WARPS`` warps) gathers
+64-row kv tiles with 16-byte cp.async (invalid rows predicated off, zero-filled, never read) into a
+``STAGES``-deep shared-memory ring guarded by ready / empty mbarriers; the default partition, two
+consumer warpgroups side by side, runs S = Q.K^T with wgmma (A = Q from shared memory, B = the
+tile's K^T view; the 512 NoPE and 64 RoPE columns are separate power-of-two buffers), the online
+softmax in base 2 (row max exchanged across the warpgroups), and O += P.V over the first 512
+columns of the same tile (each warpgroup owns 256 value columns). Epilogue: O / l, LSE in natural
+log; a pseudo-head with no valid row gets out 0 and lse -inf; stores are bounded to the real rows.
+
+Shared memory (bf16/fp16, D_qk 576): Q 72 KB + 2 stages x 72 KB = 216 KB of 227 KB.
+
+The kernels are written against Triton's Gluon API of the versions in ``SUPPORTED_TRITON`` (the API
+moves between releases); ``sparse_mla.mqa.backends`` uses them only there, and CI compiles every
+variant for sm_90 with that Triton (tests/test_gluon_compile.py). Semantics:
+``sparse_mla.mqa.reference.sparse_mla_ref``.
+"""
+
+from __future__ import annotations
+
+import triton
+
+SUPPORTED_TRITON = ("3.6",)  # major.minor of triton whose Gluon API these kernels are written against
+
+LOG2E = 1.4426950408889634
+BLOCK_H = 64  # pseudo-heads per CTA (wgmma M)
+BLOCK_N = 64  # kv rows per tile
+D_V = 512
+D_PE = 64
+
+try:  # the import itself may fail on Triton versions without (this) Gluon
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    GLUON_IMPORT_ERROR: str | None = None
+except Exception as exc:  # pragma: no cover - depends on the installed triton
+    GLUON_IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+
+def triton_version_supported(version: str | None = None) -> bool:
+    """Whether ``version`` (default: the installed triton's) is one the Gluon kernels are written for."""
+    v = version or triton.__version__
+    return any(v == s or v.startswith(s + ".") for s in SUPPORTED_TRITON)
+
+
+if GLUON_IMPORT_ERROR is None:
+    _BH = gl.constexpr(BLOCK_H)
+    _BN = gl.constexpr(BLOCK_N)
+    _DV = gl.constexpr(D_V)
+    _DPE = gl.constexpr(D_PE)
+    _LN2 = gl.constexpr(0.6931471805599453)
+
+    @gluon.jit
+    def _tile_rows(rows_ptr, row_stride, gid, n_rows, j):
+        """Row ids of kv tile j of list ``gid`` (positions >= n_rows read as -1), in the gather layout."""
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        pos = j * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(1, blk))
+        return gl.load(rows_ptr + gid.to(gl.int64) * row_stride + pos, mask=pos < n_rows, other=-1)
+
+    @gluon.jit
+    def _producer(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, n_tiles, ring_v, ring_r, ready, empty,
+                  HAS_PE: gl.constexpr, STAGES: gl.constexpr):
+        """Gather kv tiles [64, D_qk] of list ``gid`` into the ring with 16-byte cp.async."""
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        cv = gl.arange(0, _DV, layout=gl.SliceLayout(0, blk))
+        cr = gl.arange(0, _DPE, layout=gl.SliceLayout(0, blk))
+        for j in range(n_tiles):
+            st = j % STAGES
+            idx = _tile_rows(rows_ptr, row_stride, gid, n_rows, j)  # issued before the wait: latency hidden
+            ok = (idx >= 0) & (idx < N)
+            base = kv_ptr + gl.where(ok, idx, 0).to(gl.int64)[:, None] * stride_kvn
+            mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+            # one copy op per buffer (copies into slices of one buffer get a bar.sync between them)
+            async_copy.async_copy_global_to_shared(ring_v.index(st), base + cv[None, :], mask=ok[:, None])
+            if HAS_PE:
+                async_copy.async_copy_global_to_shared(ring_r.index(st), base + _DV + cr[None, :], mask=ok[:, None])
+            # every producer thread arrives (no count increment) once its own copies have landed
+            async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
+
+    @gluon.jit
+    def _consumer(q_v, q_r, ring_v, ring_r, ready, empty, rows_ptr, bits_ptr, row_stride, N, gid, n_rows, n_tiles,
+                  mb, tok0, H, n_heads, out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, qk_scale, has_lse,
+                  GROUPED: gl.constexpr, HAS_PE: gl.constexpr, STAGES: gl.constexpr):
+        """Two warpgroups side by side (warps_per_cta [4, 2]): warpgroup w computes S[:, 32w:32w+32] and
+        owns O[:, 256w:256w+256]; Triton exchanges the row max and P across them through shared memory."""
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 256, 16])
+        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+        rows_s: gl.constexpr = gl.SliceLayout(1, s_l)
+        rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
+        dt: gl.constexpr = ring_v.dtype
+        kpos = gl.arange(0, _BN, layout=gl.SliceLayout(0, s_l))
+        p_s = mb * _BH + gl.arange(0, _BH, layout=rows_s)  # pseudo-head of each S row
+        qi_s = p_s // H  # its query within the group (grouped mode)
+        list_base = rows_ptr + gid.to(gl.int64) * row_stride
+        bits_base = bits_ptr + gid.to(gl.int64) * row_stride
+        m_i = gl.full([_BH], float("-inf"), gl.float32, layout=rows_s)
+        l_i = gl.zeros([_BH], gl.float32, layout=rows_o)
+        o = gl.zeros([_BH, _DV], gl.float32, layout=o_l)
+        s0 = gl.zeros([_BH, _BN], gl.float32, layout=s_l)
+        for j in range(n_tiles):
+            st = j % STAGES
+            pos = j * _BN + kpos
+            in_list = pos < n_rows
+            if GROUPED:  # issued before the wait: latency hidden by it
+                bits = gl.load(bits_base + pos, mask=in_list, other=0)
+                allowed = ((bits[None, :] >> qi_s[:, None]) & 1) != 0
+            else:
+                idx = gl.load(list_base + pos, mask=in_list, other=-1)
+                allowed = ((idx >= 0) & (idx < N))[None, :]
+            mbarrier.wait(ready.index(st), (j // STAGES) & 1)
+            fence_async_shared()  # cp.async writes (generic proxy) -> wgmma reads (async proxy)
+            s = warpgroup_mma(q_v, ring_v.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
+            if HAS_PE:
+                s = warpgroup_mma(q_r, ring_r.index(st).permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+            s = gl.where(allowed, s, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no valid row yet: avoid (-inf) - (-inf)
+            p = gl.exp2(s * qk_scale - m_use[:, None])
+            alpha = gl.convert_layout(gl.exp2(m_i - m_use), rows_o)
+            m_i = m_new
+            a_op = gl.convert_layout(p.to(dt), p_l)
+            l_i = l_i * alpha + gl.convert_layout(gl.sum(a_op.to(gl.float32), axis=1), rows_o)  # rows of what is summed
+            o = o * alpha[:, None]
+            o = warpgroup_mma(a_op, ring_v.index(st), o, is_async=True)
+            o, a_op = warpgroup_mma_wait(num_outstanding=0, deps=(o, a_op))
+            gl.thread_barrier()  # every consumer warp is done reading stage st ...
+            mbarrier.arrive(empty.index(st), count=1)  # ... before one thread releases it
+        # epilogue: pseudo-head p -> (token, head); rows past the real pseudo-heads are never stored
+        p_o = mb * _BH + gl.arange(0, _BH, layout=rows_o)
+        if GROUPED:
+            tok = tok0 + p_o // H
+            hh = p_o % H
+        else:
+            tok = tok0 + p_o * 0
+            hh = p_o
+        row_ok = p_o < n_heads
+        has_any = l_i > 0.0
+        o = o / gl.where(has_any, l_i, 1.0)[:, None]
+        cols = gl.arange(0, _DV, layout=gl.SliceLayout(0, o_l))
+        o_row = out_ptr + tok.to(gl.int64) * stride_ot + hh.to(gl.int64) * stride_oh
+        gl.store(o_row[:, None] + cols[None, :], o.to(dt), mask=row_ok[:, None])
+        if has_lse:
+            m_o = gl.convert_layout(m_i, rows_o)
+            lse = gl.where(has_any, (m_o + gl.log2(gl.where(has_any, l_i, 1.0))) * _LN2, float("-inf"))
+            gl.store(lse_ptr + tok.to(gl.int64) * stride_lt + hh, lse, mask=row_ok)
+
+    # Integers that change between calls, index-side pointers and lse's row stride are not specialized, so the
+    # compiled variants are exactly those of ``variant_constexprs`` (q, kv, out and their strides must be
+    # 16-byte aligned: ``sparse_mla.mqa.backends`` checks it, and cp.async needs it).
+    @gluon.jit(do_not_specialize=["rows_ptr", "bits_ptr", "nrows_ptr", "gstart_ptr", "glen_ptr", "route_ptr",
+                                  "lse_ptr", "row_stride", "stride_lt", "N", "H", "K", "m_blocks", "group_heads",
+                                  "has_nrows", "has_route", "has_lse"])
+    def sparse_mqa_sm90_kernel(
+        q_ptr, kv_ptr, rows_ptr, bits_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, out_ptr, lse_ptr,
+        stride_qt, stride_qh, stride_kvn, row_stride, stride_ot, stride_oh, stride_lt,
+        N, H, K, qk_scale, m_blocks, group_heads, has_nrows, has_route, has_lse,
+        GROUPED: gl.constexpr, HAS_PE: gl.constexpr, STAGES: gl.constexpr,
+        PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """One CTA per (list, m-block) on a 1-D grid, the m-blocks of a list adjacent (they share its rows in L2).
+
+        Per-token: list = token, rows = indices [T, K] (row_stride), nrows = topk_length [T] or K,
+        route [T] (0 = another launch computes the token). Grouped: list = group, rows / bits = union rows
+        and membership words [num_groups, U], nrows = union_len, gstart / glen = group_start / group_len.
+        """
+        pid = gl.program_id(0)
+        gid = pid // m_blocks
+        mb = pid % m_blocks
+        if GROUPED:
+            glen = gl.load(glen_ptr + gid)
+            tok0 = gl.load(gstart_ptr + gid)
+            n_rows = gl.where(glen > 0, gl.load(nrows_ptr + gid), 0)
+            n_heads = gl.minimum(glen * H, group_heads)
+        else:
+            tok0 = gid
+            n_rows = K
+            if has_nrows:
+                n_rows = gl.minimum(gl.maximum(gl.load(nrows_ptr + gid), 0), K)
+            n_heads = H
+            if has_route:
+                if gl.load(route_ptr + gid) == 0:
+                    n_rows = 0
+                    n_heads = 0
+        n_tiles = gl.cdiv(n_rows, _BN)
+
+        smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        dt: gl.constexpr = q_ptr.dtype.element_ty
+        q_v = gl.allocate_shared_memory(dt, [_BH, _DV], smem_l)
+        ring_v = gl.allocate_shared_memory(dt, [STAGES, _BN, _DV], smem_l)
+        if HAS_PE:
+            q_r = gl.allocate_shared_memory(dt, [_BH, _DPE], smem_l)
+            ring_r = gl.allocate_shared_memory(dt, [STAGES, _BN, _DPE], smem_l)
+        else:  # placeholders, never read
+            q_r = q_v
+            ring_r = ring_v
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=PRODUCER_WARPS * 32)  # every producer thread arrives
+            mbarrier.init(empty.index(i), count=1)  # one arrive by the consumer partition
+
+        # Q tile [64, D_qk]: pseudo-head rows gathered with cp.async (rows past the real ones zero-filled)
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        p_q = mb * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, blk))
+        if GROUPED:
+            q_tok = tok0 + p_q // H
+            q_head = p_q % H
+        else:
+            q_tok = tok0 + p_q * 0
+            q_head = p_q
+        q_ok = p_q < n_heads
+        q_row = q_ptr + q_tok.to(gl.int64) * stride_qt + gl.where(q_ok, q_head, 0).to(gl.int64) * stride_qh
+        cv = gl.arange(0, _DV, layout=gl.SliceLayout(0, blk))
+        async_copy.async_copy_global_to_shared(q_v, q_row[:, None] + cv[None, :], mask=q_ok[:, None])
+        if HAS_PE:
+            cr = gl.arange(0, _DPE, layout=gl.SliceLayout(0, blk))
+            async_copy.async_copy_global_to_shared(q_r, q_row[:, None] + _DV + cr[None, :], mask=q_ok[:, None])
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        fence_async_shared()
+        gl.thread_barrier()
+
+        gl.warp_specialize([
+            (_consumer, (q_v, q_r, ring_v, ring_r, ready, empty, rows_ptr, bits_ptr, row_stride, N, gid, n_rows,
+                         n_tiles, mb, tok0, H, n_heads, out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, qk_scale,
+                         has_lse, GROUPED, HAS_PE, STAGES)),
+            (_producer, (kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, n_tiles, ring_v, ring_r, ready,
+                         empty, HAS_PE, STAGES)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])
+
+
+# Launch configuration (measured on the H200: NOTES-GPU.md). The default partition is the two consumer
+# warpgroups (8 warps); the producer worker gets PRODUCER_REGS registers per thread.
+CONSUMER_WARPS = 8
+PRODUCER_WARPS = 4
+PRODUCER_REGS = 40
+STAGES = 2
+
+
+def variant_constexprs(grouped: bool, has_pe: bool) -> dict:
+    """The compile-time parameters of one kernel variant (everything else is a run-time argument, so the
+    package launches 2 modes x 2 D_qk x 2 dtypes = 8 variants, each compiled for sm_90 in CI)."""
+    return dict(GROUPED=grouped, HAS_PE=has_pe, STAGES=STAGES, PRODUCER_WARPS=PRODUCER_WARPS,
+                PRODUCER_REGS=PRODUCER_REGS, num_warps=CONSUMER_WARPS)
+
+
+def num_m_blocks(num_pseudo_heads: int) -> int:
+    """CTAs per list: 64 pseudo-heads each."""
+    return triton.cdiv(num_pseudo_heads, BLOCK_H)
+
+
+def launch(q, kv, rows, bits, nrows, group_start, group_len, route, out, lse, sm_scale: float, *,
+           grouped: bool, num_lists: int, group_heads: int) -> None:
+    """Launch on validated CUDA tensors (``sparse_mla.mqa.backends`` checks that this kernel applies).
+
+    q [T, H, D_qk], kv [N, D_qk] (row stride ``kv.stride(0)``), out [T, H, 512], lse [T, H] fp32 or None.
+    Per-token (grouped=False): rows = indices [T, K] int32, nrows = topk_length [T] or None, route [T]
+    int8 or None (0 = skip), num_lists = T, group_heads = H. Grouped: rows / bits = union rows and
+    membership words [num_groups, U] int32, nrows = union_len, group_start / group_len [num_groups],
+    num_lists = num_groups, group_heads = G * H (<= 128).
+    """
+    T, H, D = q.shape
+    if num_lists == 0:
+        return
+    m_blocks = num_m_blocks(group_heads)
+    dummy = rows
+    sparse_mqa_sm90_kernel[(num_lists * m_blocks, )](
+        q, kv, rows, bits if bits is not None else dummy, nrows if nrows is not None else dummy,
+        group_start if group_start is not None else dummy, group_len if group_len is not None else dummy,
+        route if route is not None else dummy, out, lse if lse is not None else out,
+        q.stride(0), q.stride(1), kv.stride(0), rows.stride(0), out.stride(0), out.stride(1),
+        lse.stride(0) if lse is not None else 0,
+        kv.shape[0], H, rows.shape[1], sm_scale * LOG2E, m_blocks, group_heads,
+        int(nrows is not None), int(route is not None), int(lse is not None),
+        **variant_constexprs(grouped, D > D_V),
+    )
+
+
+# ---------------------------------------------------------------- ahead-of-time compile (no GPU needed)
+# Argument types of sparse_mqa_sm90_kernel in order, for triton.compile (pointers by dtype).
+_ARG_TYPES = (("q_ptr", "*{dt}"), ("kv_ptr", "*{dt}"), ("rows_ptr", "*i32"), ("bits_ptr", "*i32"),
+              ("nrows_ptr", "*i32"), ("gstart_ptr", "*i32"), ("glen_ptr", "*i32"), ("route_ptr", "*i8"),
+              ("out_ptr", "*{dt}"), ("lse_ptr", "*fp32"), ("stride_qt", "i32"), ("stride_qh", "i32"),
+              ("stride_kvn", "i32"), ("row_stride", "i32"), ("stride_ot", "i32"), ("stride_oh", "i32"),
+              ("stride_lt", "i32"), ("N", "i32"), ("H", "i32"), ("K", "i32"), ("qk_scale", "fp32"),
+              ("m_blocks", "i32"), ("group_heads", "i32"), ("has_nrows", "i32"), ("has_route", "i32"),
+              ("has_lse", "i32"))
+# Specialized 16-divisible at launch (checked by the backend selection): q, kv, out and their strides.
+_ALIGNED = ("q_ptr", "kv_ptr", "out_ptr", "stride_qt", "stride_qh", "stride_kvn", "stride_ot", "stride_oh")
+
+
+def all_variants() -> list[tuple[bool, bool, str]]:
+    """(grouped, has_pe, dtype) of every variant the package can launch."""
+    return [(g, pe, dt) for g in (False, True) for pe in (False, True) for dt in ("bf16", "fp16")]
+
+
+def compile_variant(grouped: bool, has_pe: bool, dtype: str, arch: int = 90):
+    """Compile one variant for ``sm_<arch>`` without a GPU (Triton's front end, LLVM and ptxas run on
+    the CPU); returns the CompiledKernel (``.metadata.shared`` bytes, ``.n_regs`` / ``.n_spills``
+    where the backend fills them, ``.asm["ptx"]``). Raises whatever Triton raises on an API drift or a
+    resource overflow."""
+    if GLUON_IMPORT_ERROR is not None:
+        raise RuntimeError(f"Gluon is not importable: {GLUON_IMPORT_ERROR}")
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    names = [n for n, _ in _ARG_TYPES]
+    signature = {n: t.format(dt=dtype) for n, t in _ARG_TYPES}
+    cx = variant_constexprs(grouped, has_pe)
+    signature.update({k: "constexpr" for k in cx})
+    attrs = {(names.index(n), ): [["tt.divisibility", 16]] for n in _ALIGNED}
+    src = GluonASTSource(sparse_mqa_sm90_kernel, signature, constexprs=cx, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": CONSUMER_WARPS})
