@@ -24,7 +24,7 @@ import triton
 
 from sparse_mla import SparseMLAWorkspace, sparse_mla_ref
 from sparse_mla.bench.report import git_revision
-from sparse_mla.mqa import backends
+from sparse_mla.mqa import backends, gluon_sm90
 from sparse_mla.union.triton_tl import build_union, plan_groups
 from sparse_mla.workloads import synthetic_batch
 
@@ -50,6 +50,14 @@ def row_err(out, ref):
     return ((o - r).norm(dim=-1) / den).max().item()
 
 
+def use(name):
+    """'gluon_sm90:<schedule>' or a backend name: set the backend (and the Gluon schedule) for the next calls."""
+    backend, _, schedule = name.partition(":")
+    os.environ[backends.ENV_VAR] = backend
+    if schedule:
+        gluon_sm90.SCHEDULE = schedule
+
+
 def timed(fn):
     return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
 
@@ -68,7 +76,7 @@ def per_token_rows(H, T, K, N, dev, names):
     gather = T * K * D_QK * 2
     rows = []
     for name in names:
-        os.environ[backends.ENV_VAR] = name
+        use(name)
         out.fill_(float("nan"))
         fn = lambda: backends.per_token(q, kv, idx, sm, None, out, lse)  # noqa: E731
         fn()
@@ -107,7 +115,7 @@ def grouped_rows(H, cached, new, K, dev, names):
     lse = torch.empty(T, H, device=dev, dtype=torch.float32)
     rows = []
     for name in names:
-        os.environ[backends.ENV_VAR] = name
+        use(name)
         out.fill_(float("nan"))
         fn = lambda: backends.grouped(q, kv, sm, G, ws.union_rows, ws.union_bits, ul, gs, gl_, out, lse)  # noqa: E731
         fn()
@@ -127,7 +135,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", required=True, help="where to write the results JSON")
     ap.add_argument("--quick", action="store_true", help="128/64-head per-token and 16-head grouped only")
-    ap.add_argument("--backends", default="gluon_sm90,triton", help="comma-separated backends to time")
+    ap.add_argument("--backends", default="gluon_sm90:pair,gluon_sm90:split,triton",
+                    help="comma-separated backends to time (gluon_sm90:<schedule> picks the Gluon schedule)")
     a = ap.parse_args()
     dev = torch.device("cuda")
     names = a.backends.split(",")
@@ -142,9 +151,9 @@ def main():
                 timing="triton.testing.do_bench median (warmup 50 ms, rep 300 ms), L2 flushed")
     with open(a.json, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print(f"\n{'case':<34} {'backend':<11} {'ms':>8} {'TFLOP/s':>8} {'floor ms':>8} {'row err':>8}")
+    print(f"\n{'case':<34} {'backend':<17} {'ms':>8} {'TFLOP/s':>8} {'floor ms':>8} {'row err':>8}")
     for r in rows:
-        print(f"{r['case']:<34} {r['backend']:<11} {r['ms']:8.3f} {r['tflops']:8.1f} {r['floor_ms']:8.3f} "
+        print(f"{r['case']:<34} {r['backend']:<17} {r['ms']:8.3f} {r['tflops']:8.1f} {r['floor_ms']:8.3f} "
               f"{r['max_row_err']:8.1e}")
 
 

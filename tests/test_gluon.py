@@ -28,7 +28,7 @@ from lib import (
 )
 
 from sparse_mla import sparse_mla_fwd, sparse_mla_ref
-from sparse_mla.mqa import backends
+from sparse_mla.mqa import backends, gluon_sm90
 
 
 def _gluon_applies() -> tuple[bool, str]:
@@ -40,6 +40,13 @@ def _gluon_applies() -> tuple[bool, str]:
 
 _OK, _WHY = _gluon_applies()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=f"gluon_sm90 does not apply: {_WHY}")]
+
+
+@pytest.fixture(params=gluon_sm90.SCHEDULES, autouse=True)
+def schedule(request, monkeypatch):
+    """Every test runs once per Gluon schedule."""
+    monkeypatch.setattr(gluon_sm90, "SCHEDULE", request.param)
+    return request.param
 
 
 def assert_rows_close(out: torch.Tensor, ref: torch.Tensor, dtype, what: str) -> None:

@@ -28,6 +28,8 @@ variant for sm_90 with that Triton (tests/test_gluon_compile.py). Semantics:
 
 from __future__ import annotations
 
+import os
+
 import triton
 
 SUPPORTED_TRITON = ("3.6",)  # major.minor of triton whose Gluon API these kernels are written against
@@ -248,19 +250,293 @@ if GLUON_IMPORT_ERROR is None:
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
+    # ------------------------------------------------------------------ "pair" schedule (FlashMLA's SM90 split)
+    # Two 4-warp consumer partitions, each computing the full S of its own kv tile (warpgroup 0: even tiles in
+    # stage 0, warpgroup 1: odd tiles in stage 1; N = 64 wgmma) and owning half of O's value columns
+    # (wg 0: 0..255, wg 1: 256..511). Per pair of tiles: wg 0 publishes its running max m0, wg 1 takes
+    # m1 = max(m0, its row max) and publishes it; each multiplies its own P (registers) by its V half, then the
+    # other's P (shared memory, at the common max m1) by its V half. The tensor core alternates between the
+    # warpgroups: wg 0's softmax overlaps wg 1's Q.K^T, wg 1's softmax overlaps wg 0's first P.V.
+    _NEG: gl.constexpr = gl.constexpr(-1.0e30)  # finite "no row yet" max: no inf - inf, no 0 * inf
+
+    @gluon.jit
+    def _vec_store(smem, x):
+        """Store a [64] row vector (any layout) to shared memory through a plain 1-D layout."""
+        smem.store(gl.convert_layout(x, gl.BlockedLayout([1], [32], [gl.num_warps()], [0])))
+
+    @gluon.jit
+    def _vec_load(smem, layout: gl.constexpr):
+        return gl.convert_layout(smem.load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), layout)
+
+    @gluon.jit
+    def _tile_mask(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, j, qi, s_l: gl.constexpr, GROUPED: gl.constexpr):
+        """[64, 64] bool: which (pseudo-head, kv row) pairs of tile j count."""
+        pos = j * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(0, s_l))
+        in_list = pos < n_rows
+        if GROUPED:
+            bits = gl.load(bits_ptr + gid.to(gl.int64) * row_stride + pos, mask=in_list, other=0)
+            allowed = (((bits[None, :] >> gl.maximum(qi, 0)[:, None]) & 1) != 0) & (qi >= 0)[:, None]
+        else:
+            idx = gl.load(rows_ptr + gid.to(gl.int64) * row_stride + pos, mask=in_list, other=-1)
+            allowed = ((idx >= 0) & (idx < N))[None, :] & (qi >= 0)[:, None]
+        return allowed
+
+    @gluon.jit
+    def _pair_qk(q_v, q_r, ring_v, ring_r, ready, st: gl.constexpr, i, s0, HAS_PE: gl.constexpr):
+        mbarrier.wait(ready.index(st), i & 1)
+        fence_async_shared()  # cp.async writes (generic proxy) -> wgmma reads (async proxy)
+        s = warpgroup_mma(q_v, ring_v.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
+        if HAS_PE:
+            s = warpgroup_mma(q_r, ring_r.index(st).permute((1, 0)), s, is_async=True)
+        return warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+
+    @gluon.jit
+    def _pair_epilogue(o, l_own, m_i, l_mine, l_other, l_bar_mine, l_bar_other, out_ptr, lse_ptr, mb, tok0, H,
+                       n_heads, stride_ot, stride_oh, stride_lt, has_lse, COL0: gl.constexpr, WRITE_LSE: gl.constexpr,
+                       GROUPED: gl.constexpr):
+        """Exchange the partial row sums, normalise this warpgroup's 256 columns and store them (and lse)."""
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+        rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
+        _vec_store(l_mine, l_own)
+        gl.thread_barrier()
+        mbarrier.arrive(l_bar_mine, count=1)
+        mbarrier.wait(l_bar_other, 0)
+        l_i = gl.convert_layout(l_own, rows_o) + _vec_load(l_other, rows_o)
+        p_o = mb * _BH + gl.arange(0, _BH, layout=rows_o)
+        if GROUPED:
+            tok = tok0 + p_o // H
+            hh = p_o % H
+        else:
+            tok = tok0 + p_o * 0
+            hh = p_o
+        row_ok = p_o < n_heads
+        has_any = l_i > 0.0
+        o = o / gl.where(has_any, l_i, 1.0)[:, None]
+        cols = gl.arange(0, 256, layout=gl.SliceLayout(0, o_l))
+        o_row = out_ptr + tok.to(gl.int64) * stride_ot + hh.to(gl.int64) * stride_oh + COL0
+        gl.store(o_row[:, None] + cols[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        if WRITE_LSE:
+            if has_lse:
+                m_o = gl.convert_layout(m_i, rows_o)
+                lse = gl.where(has_any, (m_o + gl.log2(gl.where(has_any, l_i, 1.0))) * _LN2, float("-inf"))
+                gl.store(lse_ptr + tok.to(gl.int64) * stride_lt + hh, lse, mask=row_ok)
+
+    @gluon.jit
+    def _pair_wg0(q_v, q_r, ring_v, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, ready, empty, bars, rows_ptr, bits_ptr,
+                  row_stride, N, gid, n_rows, n_pairs, mb, tok0, H, n_heads, out_ptr, lse_ptr, stride_ot, stride_oh,
+                  stride_lt, qk_scale, has_lse, GROUPED: gl.constexpr, HAS_PE: gl.constexpr):
+        """Warpgroup 0: S of the even tiles (stage 0), O[:, 0:256]."""
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+        rows_s: gl.constexpr = gl.SliceLayout(1, s_l)
+        rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
+        dt: gl.constexpr = ring_v.dtype
+        p_s = mb * _BH + gl.arange(0, _BH, layout=rows_s)
+        qi = gl.where(p_s < n_heads, p_s // H, -1)
+        m_i = gl.full([_BH], _NEG, gl.float32, layout=rows_s)
+        l_i = gl.zeros([_BH], gl.float32, layout=rows_s)
+        o = gl.zeros([_BH, 256], gl.float32, layout=o_l)
+        s0 = gl.zeros([_BH, _BN], gl.float32, layout=s_l)
+        for i in range(n_pairs):
+            allowed = _tile_mask(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 2 * i, qi, s_l, GROUPED)
+            s = _pair_qk(q_v, q_r, ring_v, ring_r, ready, 0, i, s0, HAS_PE)
+            s = gl.where(allowed, s * qk_scale, float("-inf"))
+            m0 = gl.maximum(m_i, gl.max(s, axis=1))
+            _vec_store(s_m0, m0)
+            gl.thread_barrier()
+            mbarrier.arrive(bars.index(0), count=1)  # m0 ready
+            p = gl.exp2(s - m0[:, None])
+            alpha = gl.exp2(m_i - m0)
+            o = o * gl.convert_layout(alpha, rows_o)[:, None]
+            a_op = gl.convert_layout(p.to(dt), p_l)
+            o = warpgroup_mma(a_op, ring_v.index(0).slice(0, 256, dim=1), o, is_async=True)
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            mbarrier.wait(bars.index(1), i & 1)  # m1 ready
+            m1 = _vec_load(s_m1, rows_s)
+            beta = gl.exp2(m0 - m1)
+            s_p0.store((p * beta[:, None]).to(dt))  # P0 at the common max m1, for warpgroup 1
+            fence_async_shared()
+            o, a_op = warpgroup_mma_wait(num_outstanding=0, deps=(o, a_op))
+            gl.thread_barrier()
+            mbarrier.arrive(bars.index(2), count=1)  # P0 ready
+            mbarrier.arrive(empty.index(0), count=1)  # done with V0[:, 0:256]
+            o = o * gl.convert_layout(beta, rows_o)[:, None]
+            l_i = l_i * beta
+            m_i = m1
+            mbarrier.wait(bars.index(3), i & 1)  # P1 ready
+            o = warpgroup_mma(s_p1, ring_v.index(1).slice(0, 256, dim=1), o, is_async=True)
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
+            gl.thread_barrier()
+            mbarrier.arrive(bars.index(4), count=1)  # P1 buffer free
+            mbarrier.arrive(empty.index(1), count=1)  # done with V1[:, 0:256]
+        _pair_epilogue(o, l_i, m_i, s_l0, s_l1, bars.index(5), bars.index(6), out_ptr, lse_ptr, mb, tok0, H, n_heads,
+                       stride_ot, stride_oh, stride_lt, has_lse, 0, True, GROUPED)
+
+    @gluon.jit
+    def _pair_wg1(q_v, q_r, ring_v, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, ready, empty, bars, rows_ptr, bits_ptr,
+                  row_stride, N, gid, n_rows, n_pairs, mb, tok0, H, n_heads, out_ptr, lse_ptr, stride_ot, stride_oh,
+                  stride_lt, qk_scale, has_lse, GROUPED: gl.constexpr, HAS_PE: gl.constexpr):
+        """Warpgroup 1: S of the odd tiles (stage 1), O[:, 256:512]."""
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+        rows_s: gl.constexpr = gl.SliceLayout(1, s_l)
+        rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
+        dt: gl.constexpr = ring_v.dtype
+        p_s = mb * _BH + gl.arange(0, _BH, layout=rows_s)
+        qi = gl.where(p_s < n_heads, p_s // H, -1)
+        m_i = gl.full([_BH], _NEG, gl.float32, layout=rows_s)
+        l_i = gl.zeros([_BH], gl.float32, layout=rows_s)
+        o = gl.zeros([_BH, 256], gl.float32, layout=o_l)
+        s0 = gl.zeros([_BH, _BN], gl.float32, layout=s_l)
+        for i in range(n_pairs):
+            allowed = _tile_mask(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 2 * i + 1, qi, s_l, GROUPED)
+            s = _pair_qk(q_v, q_r, ring_v, ring_r, ready, 1, i, s0, HAS_PE)
+            s = gl.where(allowed, s * qk_scale, float("-inf"))
+            mbarrier.wait(bars.index(0), i & 1)  # m0 ready
+            m1 = gl.maximum(_vec_load(s_m0, rows_s), gl.max(s, axis=1))
+            _vec_store(s_m1, m1)
+            gl.thread_barrier()
+            mbarrier.arrive(bars.index(1), count=1)  # m1 ready
+            p = gl.exp2(s - m1[:, None])
+            alpha = gl.exp2(m_i - m1)
+            m_i = m1
+            o = o * gl.convert_layout(alpha, rows_o)[:, None]
+            pb = p.to(dt)
+            a_op = gl.convert_layout(pb, p_l)
+            o = warpgroup_mma(a_op, ring_v.index(1).slice(256, 256, dim=1), o, is_async=True)
+            l_i = l_i * alpha + gl.sum(p, axis=1)
+            mbarrier.wait(bars.index(4), (i & 1) ^ 1)  # P1 buffer free (passes at once the first time)
+            s_p1.store(pb)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(bars.index(3), count=1)  # P1 ready
+            mbarrier.wait(bars.index(2), i & 1)  # P0 ready
+            o = warpgroup_mma(s_p0, ring_v.index(0).slice(256, 256, dim=1), o, is_async=True)
+            o, a_op = warpgroup_mma_wait(num_outstanding=0, deps=(o, a_op))
+            gl.thread_barrier()
+            mbarrier.arrive(empty.index(1), count=1)  # done with V1[:, 256:512]
+            mbarrier.arrive(empty.index(0), count=1)  # done with V0[:, 256:512] and P0 (it may live in stage 0)
+        _pair_epilogue(o, l_i, m_i, s_l1, s_l0, bars.index(6), bars.index(5), out_ptr, lse_ptr, mb, tok0, H, n_heads,
+                       stride_ot, stride_oh, stride_lt, has_lse, 256, False, GROUPED)
+
+    @gluon.jit(do_not_specialize=["rows_ptr", "bits_ptr", "nrows_ptr", "gstart_ptr", "glen_ptr", "route_ptr",
+                                  "lse_ptr", "row_stride", "stride_lt", "N", "H", "K", "m_blocks", "group_heads",
+                                  "has_nrows", "has_route", "has_lse"])
+    def sparse_mqa_sm90_pair_kernel(
+        q_ptr, kv_ptr, rows_ptr, bits_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, out_ptr, lse_ptr,
+        stride_qt, stride_qh, stride_kvn, row_stride, stride_ot, stride_oh, stride_lt,
+        N, H, K, qk_scale, m_blocks, group_heads, has_nrows, has_route, has_lse,
+        GROUPED: gl.constexpr, HAS_PE: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """The pair schedule (module comment above); same arguments and grid as ``sparse_mqa_sm90_kernel``."""
+        pid = gl.program_id(0)
+        gid = pid // m_blocks
+        mb = pid % m_blocks
+        if GROUPED:
+            glen = gl.load(glen_ptr + gid)
+            tok0 = gl.load(gstart_ptr + gid)
+            n_rows = gl.where(glen > 0, gl.load(nrows_ptr + gid), 0)
+            n_heads = gl.minimum(glen * H, group_heads)
+        else:
+            tok0 = gid
+            n_rows = K
+            if has_nrows:
+                n_rows = gl.minimum(gl.maximum(gl.load(nrows_ptr + gid), 0), K)
+            n_heads = H
+            if has_route:
+                if gl.load(route_ptr + gid) == 0:
+                    n_rows = 0
+                    n_heads = 0
+        n_pairs = gl.cdiv(n_rows, 2 * _BN)
+
+        smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        vec_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        dt: gl.constexpr = q_ptr.dtype.element_ty
+        q_v = gl.allocate_shared_memory(dt, [_BH, _DV], smem_l)
+        ring_v = gl.allocate_shared_memory(dt, [2, _BN, _DV], smem_l)
+        s_p1 = gl.allocate_shared_memory(dt, [_BH, _BN], smem_l)
+        if HAS_PE:
+            q_r = gl.allocate_shared_memory(dt, [_BH, _DPE], smem_l)
+            ring_r = gl.allocate_shared_memory(dt, [2, _BN, _DPE], smem_l)
+            s_p0 = ring_r.index(0)  # the even tile's RoPE part is dead once its S is computed
+        else:
+            q_r = q_v
+            ring_r = ring_v
+            s_p0 = gl.allocate_shared_memory(dt, [_BH, _BN], smem_l)
+        s_m0 = gl.allocate_shared_memory(gl.float32, [_BH], vec_l)
+        s_m1 = gl.allocate_shared_memory(gl.float32, [_BH], vec_l)
+        s_l0 = gl.allocate_shared_memory(gl.float32, [_BH], vec_l)
+        s_l1 = gl.allocate_shared_memory(gl.float32, [_BH], vec_l)
+        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        bars = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())  # power-of-two shape
+        for i in gl.static_range(2):
+            mbarrier.init(ready.index(i), count=num_warps * 32)  # every producer thread arrives
+            mbarrier.init(empty.index(i), count=2)  # both consumer warpgroups release a stage
+        for i in gl.static_range(7):  # m0, m1, P0 ready, P1 ready, P1 free, l0, l1: one arrive each
+            mbarrier.init(bars.index(i), count=1)
+
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        p_q = mb * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, blk))
+        if GROUPED:
+            q_tok = tok0 + p_q // H
+            q_head = p_q % H
+        else:
+            q_tok = tok0 + p_q * 0
+            q_head = p_q
+        q_ok = p_q < n_heads
+        q_row = q_ptr + q_tok.to(gl.int64) * stride_qt + gl.where(q_ok, q_head, 0).to(gl.int64) * stride_qh
+        cv = gl.arange(0, _DV, layout=gl.SliceLayout(0, blk))
+        async_copy.async_copy_global_to_shared(q_v, q_row[:, None] + cv[None, :], mask=q_ok[:, None])
+        if HAS_PE:
+            cr = gl.arange(0, _DPE, layout=gl.SliceLayout(0, blk))
+            async_copy.async_copy_global_to_shared(q_r, q_row[:, None] + _DV + cr[None, :], mask=q_ok[:, None])
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        fence_async_shared()
+        gl.thread_barrier()
+
+        args = (q_v, q_r, ring_v, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, ready, empty, bars, rows_ptr, bits_ptr,
+                row_stride, N, gid, n_rows, n_pairs, mb, tok0, H, n_heads, out_ptr, lse_ptr, stride_ot, stride_oh,
+                stride_lt, qk_scale, has_lse, GROUPED, HAS_PE)
+        # The default partition (num_warps = 4) is the producer and gets the registers the consumers leave
+        # (triton 3.6 fails to lower the consumer's wgmma code in the default partition of this kernel).
+        gl.warp_specialize([
+            (_producer, (kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 2 * n_pairs, ring_v, ring_r, ready,
+                         empty, HAS_PE, 2)),
+            (_pair_wg0, args),
+            (_pair_wg1, args),
+        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
+
+
 # Launch configuration (measured on the H200: NOTES-GPU.md). The default partition is the two consumer
 # warpgroups (8 warps); the producer worker gets PRODUCER_REGS registers per thread.
 CONSUMER_WARPS = 8
 PRODUCER_WARPS = 4
 PRODUCER_REGS = 40
 STAGES = 2
+# "split": sparse_mqa_sm90_kernel (S split by kv columns across two warpgroups of one partition);
+# "pair": sparse_mqa_sm90_pair_kernel (FlashMLA's split: a kv tile per warpgroup, ping-pong on the tensor core).
+SCHEDULES = ("split", "pair")
+SCHEDULE = os.environ.get("SPARSE_MLA_GLUON_SCHEDULE", "pair")
+PAIR_CONSUMER_REGS = 232  # each consumer warpgroup; the producer (the default partition) gets what is left
 
 
-def variant_constexprs(grouped: bool, has_pe: bool) -> dict:
+def _kernel(schedule: str):
+    if schedule not in SCHEDULES:
+        raise ValueError(f"SPARSE_MLA_GLUON_SCHEDULE must be one of {SCHEDULES}, got {schedule!r}")
+    return sparse_mqa_sm90_kernel if schedule == "split" else sparse_mqa_sm90_pair_kernel
+
+
+def variant_constexprs(grouped: bool, has_pe: bool, schedule: str | None = None) -> dict:
     """The compile-time parameters of one kernel variant (everything else is a run-time argument, so the
-    package launches 2 modes x 2 D_qk x 2 dtypes = 8 variants, each compiled for sm_90 in CI)."""
-    return dict(GROUPED=grouped, HAS_PE=has_pe, STAGES=STAGES, PRODUCER_WARPS=PRODUCER_WARPS,
-                PRODUCER_REGS=PRODUCER_REGS, num_warps=CONSUMER_WARPS)
+    package launches 2 modes x 2 D_qk x 2 dtypes = 8 variants per schedule, each compiled for sm_90 in CI)."""
+    if (schedule or SCHEDULE) == "split":
+        return dict(GROUPED=grouped, HAS_PE=has_pe, STAGES=STAGES, PRODUCER_WARPS=PRODUCER_WARPS,
+                    PRODUCER_REGS=PRODUCER_REGS, num_warps=CONSUMER_WARPS)
+    return dict(GROUPED=grouped, HAS_PE=has_pe, CONSUMER_REGS=PAIR_CONSUMER_REGS, num_warps=4)
 
 
 def num_m_blocks(num_pseudo_heads: int) -> int:
@@ -283,7 +559,7 @@ def launch(q, kv, rows, bits, nrows, group_start, group_len, route, out, lse, sm
         return
     m_blocks = num_m_blocks(group_heads)
     dummy = rows
-    sparse_mqa_sm90_kernel[(num_lists * m_blocks, )](
+    _kernel(SCHEDULE)[(num_lists * m_blocks, )](
         q, kv, rows, bits if bits is not None else dummy, nrows if nrows is not None else dummy,
         group_start if group_start is not None else dummy, group_len if group_len is not None else dummy,
         route if route is not None else dummy, out, lse if lse is not None else out,
@@ -308,12 +584,12 @@ _ARG_TYPES = (("q_ptr", "*{dt}"), ("kv_ptr", "*{dt}"), ("rows_ptr", "*i32"), ("b
 _ALIGNED = ("q_ptr", "kv_ptr", "out_ptr", "stride_qt", "stride_qh", "stride_kvn", "stride_ot", "stride_oh")
 
 
-def all_variants() -> list[tuple[bool, bool, str]]:
-    """(grouped, has_pe, dtype) of every variant the package can launch."""
-    return [(g, pe, dt) for g in (False, True) for pe in (False, True) for dt in ("bf16", "fp16")]
+def all_variants() -> list[tuple[bool, bool, str, str]]:
+    """(grouped, has_pe, dtype, schedule) of every variant the package can launch."""
+    return [(g, pe, dt, sc) for sc in SCHEDULES for g in (False, True) for pe in (False, True) for dt in ("bf16", "fp16")]
 
 
-def compile_variant(grouped: bool, has_pe: bool, dtype: str, arch: int = 90):
+def compile_variant(grouped: bool, has_pe: bool, dtype: str, schedule: str, arch: int = 90):
     """Compile one variant for ``sm_<arch>`` without a GPU (Triton's front end, LLVM and ptxas run on
     the CPU); returns the CompiledKernel (``.metadata.shared`` bytes, ``.n_regs`` / ``.n_spills``
     where the backend fills them, ``.asm["ptx"]``). Raises whatever Triton raises on an API drift or a
@@ -325,8 +601,8 @@ def compile_variant(grouped: bool, has_pe: bool, dtype: str, arch: int = 90):
 
     names = [n for n, _ in _ARG_TYPES]
     signature = {n: t.format(dt=dtype) for n, t in _ARG_TYPES}
-    cx = variant_constexprs(grouped, has_pe)
+    cx = variant_constexprs(grouped, has_pe, schedule)
     signature.update({k: "constexpr" for k in cx})
     attrs = {(names.index(n), ): [["tt.divisibility", 16]] for n in _ALIGNED}
-    src = GluonASTSource(sparse_mqa_sm90_kernel, signature, constexprs=cx, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": CONSUMER_WARPS})
+    src = GluonASTSource(_kernel(schedule), signature, constexprs=cx, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": cx["num_warps"]})
