@@ -4,14 +4,22 @@
 PYTHON ?= python3
 PYTEST_ARGS ?= -q
 
-.PHONY: install test bench lint
+# The Gluon kernels are written against this Triton (sparse_mla/mqa/gluon_sm90.py SUPPORTED_TRITON); `make test`
+# installs it beside the environment's own, so tests/test_gluon_compile.py compiles every variant for sm_90.
+GLUON_TRITON ?= 3.6.0
+GLUON_TRITON_DIR ?= .cache/triton-gluon
+
+.PHONY: install test bench lint gluon-triton
 
 install:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
 	@$(PYTHON) -m pip install -q -e '.[test]'
 
-test: install
-	$(PYTHON) -m pytest $(PYTEST_ARGS)
+gluon-triton:
+	@test -f $(GLUON_TRITON_DIR)/triton/__init__.py || $(PYTHON) -m pip install -q --no-deps --target $(GLUON_TRITON_DIR) triton==$(GLUON_TRITON)
+
+test: install gluon-triton
+	GLUON_TRITON_DIR=$(abspath $(GLUON_TRITON_DIR)) $(PYTHON) -m pytest $(PYTEST_ARGS)
 
 bench: install
 	sparse-mla bench

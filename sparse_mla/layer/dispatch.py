@@ -146,10 +146,13 @@ class PathDecision:
     fell_back: bool = False  # a forced path did not support the step
     supports: dict[str, tuple[bool, str]] = field(default_factory=dict)
     work_ratio: float = float("nan")
+    attention_backend: str = ""  # which sparse MQA kernel backend the MQA paths launch here, and why
 
     def __str__(self) -> str:
         lines = [f"path: {self.path} ({self.reason})"]
         lines += [f"  {name}: {'yes' if ok else 'no'} - {why}" for name, (ok, why) in self.supports.items()]
+        if self.attention_backend:
+            lines.append(f"  (sparse MQA paths) {self.attention_backend}")
         return "\n".join(lines)
 
 
@@ -224,13 +227,16 @@ def explain(step: PrefillStep, path: str | None = None) -> PathDecision:
     requested, source = _requested(path)
     sup = {name: p.supports(step) for name, p in PATHS.items()}
     ratio = work_ratio(step)
+    from ..mqa.backends import describe_for_device
+
+    backend = describe_for_device()
     if requested is not None and sup[requested][0]:
-        return PathDecision(requested, f"forced by {source}{requested}", requested, False, sup, ratio)
+        return PathDecision(requested, f"forced by {source}{requested}", requested, False, sup, ratio, backend)
     name, why = auto_path(step, sup, ratio)
     if requested is not None:
         why = f"forced {requested} ({source}) does not support the step: {sup[requested][1]}; fell back to {name}: {why}"
-        return PathDecision(name, why, requested, True, sup, ratio)
-    return PathDecision(name, why, None, False, sup, ratio)
+        return PathDecision(name, why, requested, True, sup, ratio, backend)
+    return PathDecision(name, why, None, False, sup, ratio, backend)
 
 
 def choose_path(step: PrefillStep, path: str | None = None) -> tuple[str, str]:

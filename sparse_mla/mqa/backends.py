@@ -35,17 +35,13 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device)
 
 
-def gluon_sm90_applies(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None = None) -> tuple[bool, str]:
-    """Whether the Gluon sm_90 kernel can run on these tensors, with the reason when it cannot.
-
-    q [T, H, D_qk], kv [N, D_qk] (flattened rows), out [T, H, 512] or None (allocated contiguous).
-    Plain Python over tensor metadata: no device sync, no CUDA query beyond the device capability.
-    """
+def gluon_sm90_device_applies(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    """The device, Triton and dtype part of ``gluon_sm90_applies`` (no tensors needed)."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return False, "TRITON_INTERPRET=1 (the interpreter runs tl kernels only)"
-    cap = _capability(q.device)
+    cap = _capability(device)
     if cap is None:
-        return False, f"q is on {q.device}, not a CUDA device"
+        return False, f"q is on {device}, not a CUDA device"
     if cap != (9, 0):
         return False, f"compute capability {cap[0]}.{cap[1]}: the kernel uses sm_90a wgmma (Hopper only)"
     from . import gluon_sm90
@@ -57,8 +53,20 @@ def gluon_sm90_applies(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | No
 
         return False, (f"triton {triton.__version__}: the Gluon kernel is written against triton "
                        f"{', '.join(gluon_sm90.SUPPORTED_TRITON)}.x (its API changes between releases)")
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return False, f"dtype {q.dtype} (bf16 / fp16 only)"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False, f"dtype {dtype} (bf16 / fp16 only)"
+    return True, "Hopper (sm_90) with triton " + ", ".join(gluon_sm90.SUPPORTED_TRITON)
+
+
+def gluon_sm90_applies(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None = None) -> tuple[bool, str]:
+    """Whether the Gluon sm_90 kernel can run on these tensors, with the reason when it cannot.
+
+    q [T, H, D_qk], kv [N, D_qk] (flattened rows), out [T, H, 512] or None (allocated contiguous).
+    Plain Python over tensor metadata: no device sync, no CUDA query beyond the device capability.
+    """
+    ok, why = gluon_sm90_device_applies(q.device, q.dtype)
+    if not ok:
+        return ok, why
     tensors = [("q", q, (0, 1)), ("kv", kv, (0, ))] + ([("out", out, (0, 1))] if out is not None else [])
     for name, t, dims in tensors:
         if t.stride(-1) != 1:
@@ -68,7 +76,7 @@ def gluon_sm90_applies(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | No
         bad = [d for d in dims if t.stride(d) % 16]
         if bad:
             return False, f"{name} stride {t.stride(bad[0])} along dim {bad[0]} is not a multiple of 16 elements"
-    return True, "Hopper (sm_90) with triton " + ", ".join(gluon_sm90.SUPPORTED_TRITON)
+    return True, why
 
 
 def select_backend(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None = None) -> tuple[str, str]:
@@ -99,6 +107,18 @@ def describe_backend(q: torch.Tensor, kv: torch.Tensor) -> str:
     except ValueError as exc:
         return f"attention backend: error ({exc})"
     return f"attention backend: {name} ({why})"
+
+
+def describe_for_device(device: torch.device | None = None, dtype: torch.dtype = torch.bfloat16) -> str:
+    """The same line without tensors, for contiguous 16-byte aligned ones on ``device`` (default: the
+    current CUDA device, else the CPU); what ``sparse_mla.layer.explain`` prints."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    forced = os.environ.get(ENV_VAR, "auto").strip() or "auto"
+    ok, why = gluon_sm90_device_applies(device, dtype)
+    if forced != "auto":
+        return f"attention backend: {forced} (forced by {ENV_VAR}; gluon_sm90 {'applies' if ok else 'n/a: ' + why})"
+    return f"attention backend: gluon_sm90 ({why})" if ok else f"attention backend: triton (gluon_sm90 does not apply: {why})"
 
 
 def per_token(q, kv, indices, sm_scale: float, topk_length, out, lse, route=None) -> str:

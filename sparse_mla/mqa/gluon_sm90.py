@@ -520,7 +520,7 @@ STAGES = 2
 # "split": sparse_mqa_sm90_kernel (S split by kv columns across two warpgroups of one partition);
 # "pair": sparse_mqa_sm90_pair_kernel (FlashMLA's split: a kv tile per warpgroup, ping-pong on the tensor core).
 SCHEDULES = ("split", "pair")
-SCHEDULE = os.environ.get("SPARSE_MLA_GLUON_SCHEDULE", "pair")
+SCHEDULE = os.environ.get("SPARSE_MLA_GLUON_SCHEDULE", "split")  # split measured faster: NOTES-GPU.md
 PAIR_CONSUMER_REGS = 232  # each consumer warpgroup; the producer (the default partition) gets what is left
 
 

@@ -1,0 +1,105 @@
+"""The attention backend selection point (``sparse_mla.mqa.backends``), as plain Python on tensor metadata."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparse_mla.mqa import backends, gluon_sm90
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """Pretend the tensors live on an sm_90 GPU with a supported triton, outside the interpreter."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    monkeypatch.setattr(backends, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(gluon_sm90, "triton_version_supported", lambda version=None: True)
+    if gluon_sm90.GLUON_IMPORT_ERROR is not None:
+        monkeypatch.setattr(gluon_sm90, "GLUON_IMPORT_ERROR", None)
+
+
+def _qkv(H=16, D=576, dtype=torch.bfloat16):
+    return torch.zeros(4, H, D, dtype=dtype), torch.zeros(100, D, dtype=dtype)
+
+
+def test_auto_picks_gluon_on_hopper(hopper):
+    q, kv = _qkv()
+    name, why = backends.select_backend(q, kv)
+    assert name == "gluon_sm90" and "sm_90" in why
+
+
+@pytest.mark.parametrize("cap", [(8, 0), (10, 0), (12, 0)])
+def test_other_gpus_get_triton_with_the_reason(hopper, monkeypatch, cap):
+    monkeypatch.setattr(backends, "_capability", lambda device: cap)
+    name, why = backends.select_backend(*_qkv())
+    assert name == "triton" and f"{cap[0]}.{cap[1]}" in why
+
+
+def test_unsupported_triton_version_names_it(hopper, monkeypatch):
+    monkeypatch.setattr(gluon_sm90, "triton_version_supported", lambda version=None: False)
+    name, why = backends.select_backend(*_qkv())
+    assert name == "triton" and "triton" in why and "3.6" in why
+
+
+def test_interpreter_and_cpu_get_triton(monkeypatch):
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert backends.select_backend(*_qkv())[0] == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    name, why = backends.select_backend(*_qkv())
+    assert name == "triton" and "cpu" in why
+
+
+@pytest.mark.parametrize("bad, expect", [
+    ("dtype", "dtype"),
+    ("kv_stride", "kv stride"),
+    ("q_unaligned", "q is not 16-byte aligned"),
+    ("q_last_dim", "last-dim stride"),
+])
+def test_layouts_the_kernel_cannot_take_fall_back(hopper, bad, expect):
+    q, kv = _qkv()
+    if bad == "dtype":
+        q, kv = q.float(), kv.float()
+    elif bad == "kv_stride":
+        kv = torch.zeros(100, 584, dtype=torch.bfloat16)[:, :576]  # row stride 584: not a multiple of 16
+    elif bad == "q_unaligned":
+        q = torch.zeros(4 * 16 * 576 + 1, dtype=torch.bfloat16)[1:].view(4, 16, 576)
+    elif bad == "q_last_dim":
+        q = torch.zeros(4, 16, 576, 2, dtype=torch.bfloat16)[..., 0]
+    name, why = backends.select_backend(q, kv)
+    assert name == "triton" and expect in why, why
+
+
+def test_forcing(hopper, monkeypatch):
+    q, kv = _qkv()
+    monkeypatch.setenv(backends.ENV_VAR, "triton")
+    assert backends.select_backend(q, kv) == ("triton", f"forced by {backends.ENV_VAR}=triton")
+    monkeypatch.setenv(backends.ENV_VAR, "gluon_sm90")
+    assert backends.select_backend(q, kv)[0] == "gluon_sm90"
+    monkeypatch.setattr(backends, "_capability", lambda device: (8, 0))
+    with pytest.raises(ValueError, match="does not apply: compute capability 8.0"):
+        backends.select_backend(q, kv)
+    monkeypatch.setenv(backends.ENV_VAR, "cuda")
+    with pytest.raises(ValueError, match=backends.ENV_VAR):
+        backends.select_backend(q, kv)
+
+
+def test_describe_backend_says_which_and_why(monkeypatch):
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    line = backends.describe_backend(*_qkv())
+    assert line.startswith("attention backend: triton (")
+
+
+def test_gluon_variant_list_covers_modes_layouts_dtypes_schedules():
+    v = gluon_sm90.all_variants()
+    assert len(v) == len(set(v)) == 2 * 2 * 2 * len(gluon_sm90.SCHEDULES)
+    assert {x[3] for x in v} == set(gluon_sm90.SCHEDULES) and gluon_sm90.SCHEDULE in gluon_sm90.SCHEDULES
+
+
+def test_explain_names_the_attention_backend(monkeypatch):
+    from sparse_mla.layer import PrefillStep, explain
+
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    text = str(explain(PrefillStep(16, 512, 128, 64, 128, 2048, (4096,), (4096,))))
+    assert "attention backend: triton (gluon_sm90 does not apply:" in text
