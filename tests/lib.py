@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
@@ -266,8 +267,8 @@ CUDA_GRID_LIMITS = (2**31 - 1, 65535, 65535)
 
 
 def record_launch_grids(monkeypatch) -> list[tuple[str, tuple[int, ...]]]:
-    """Replace every Triton kernel (module globals named ``*_kernel``) of sparse_mla.mqa.triton_tl
-    and .union with a stub that records ``(name, grid)`` and runs nothing; returns the record list.
+    """Replace every Triton / Gluon kernel (module globals named ``*_kernel``) of sparse_mla.mqa (both
+    backends) and sparse_mla.union.triton_tl with a stub that records ``(name, grid)`` and runs nothing; returns the record list.
     Lets a CPU test check the grids a huge problem would launch without executing it."""
     import importlib
 
@@ -281,7 +282,7 @@ def record_launch_grids(monkeypatch) -> list[tuple[str, tuple[int, ...]]]:
             grids.append((self.name, tuple(grid)))
             return lambda *args, **kwargs: None
 
-    for mod_name in ("sparse_mla.mqa.triton_tl", "sparse_mla.union.triton_tl"):
+    for mod_name in ("sparse_mla.mqa.triton_tl", "sparse_mla.mqa.gluon_sm90", "sparse_mla.union.triton_tl"):
         mod = importlib.import_module(mod_name)
         for name in [n for n in vars(mod) if n.endswith("_kernel") and not n.startswith("__")]:
             monkeypatch.setattr(mod, name, _Stub(name))
@@ -293,3 +294,24 @@ def assert_grids_within_cuda_limits(grids) -> None:
     for name, grid in grids:
         for dim, (n, limit) in enumerate(zip(grid, CUDA_GRID_LIMITS)):
             assert 1 <= n <= limit, f"{name}: grid dim {dim} = {n} outside [1, {limit}] (CUDA launch fails)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Union builder backends (sparse_mla.union.backends): the Triton twin everywhere, the CUDA one on a GPU.
+
+def cuda_smem_unavailable() -> str | None:
+    """Why the CUDA union builder cannot run on this machine (None when it can)."""
+    if not HAS_CUDA:
+        return "no CUDA device"
+    from sparse_mla.union import backends
+
+    runnable, _, why = backends.cuda_smem_applies(backends.device_facts(DEVICE), 1, 1)
+    return None if runnable else why
+
+
+BACKEND_PARAMS = [
+    pytest.param("triton", id="triton"),
+    pytest.param("cuda_smem", id="cuda_smem", marks=[
+        pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="the CUDA union builder needs a CUDA GPU")]),
+]
+

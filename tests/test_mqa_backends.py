@@ -24,9 +24,15 @@ def _qkv(H=16, D=576, dtype=torch.bfloat16):
 
 
 def test_auto_picks_gluon_on_hopper(hopper):
-    q, kv = _qkv()
+    q, kv = _qkv(H=64)
     name, why = backends.select_backend(q, kv)
     assert name == "gluon_sm90" and "sm_90" in why
+    assert backends.select_backend(*_qkv(H=16), pseudo_heads=128)[0] == "gluon_sm90"  # a grouped tile
+
+
+def test_few_heads_per_tile_stay_on_triton(hopper):
+    name, why = backends.select_backend(*_qkv(H=16))
+    assert name == "triton" and "pseudo-heads per tile" in why
 
 
 @pytest.mark.parametrize("cap", [(8, 0), (10, 0), (12, 0)])
@@ -58,21 +64,21 @@ def test_interpreter_and_cpu_get_triton(monkeypatch):
     ("q_last_dim", "last-dim stride"),
 ])
 def test_layouts_the_kernel_cannot_take_fall_back(hopper, bad, expect):
-    q, kv = _qkv()
+    q, kv = _qkv(H=64)
     if bad == "dtype":
         q, kv = q.float(), kv.float()
     elif bad == "kv_stride":
         kv = torch.zeros(100, 584, dtype=torch.bfloat16)[:, :576]  # row stride 584: not a multiple of 16
     elif bad == "q_unaligned":
-        q = torch.zeros(4 * 16 * 576 + 1, dtype=torch.bfloat16)[1:].view(4, 16, 576)
+        q = torch.zeros(4 * 64 * 576 + 1, dtype=torch.bfloat16)[1:].view(4, 64, 576)
     elif bad == "q_last_dim":
-        q = torch.zeros(4, 16, 576, 2, dtype=torch.bfloat16)[..., 0]
+        q = torch.zeros(4, 64, 576, 2, dtype=torch.bfloat16)[..., 0]
     name, why = backends.select_backend(q, kv)
     assert name == "triton" and expect in why, why
 
 
 def test_forcing(hopper, monkeypatch):
-    q, kv = _qkv()
+    q, kv = _qkv(H=64)
     monkeypatch.setenv(backends.ENV_VAR, "triton")
     assert backends.select_backend(q, kv) == ("triton", f"forced by {backends.ENV_VAR}=triton")
     monkeypatch.setenv(backends.ENV_VAR, "gluon_sm90")

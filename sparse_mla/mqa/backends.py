@@ -79,8 +79,18 @@ def gluon_sm90_applies(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | No
     return True, why
 
 
-def select_backend(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None = None) -> tuple[str, str]:
+# The Gluon kernel's tile is 64 pseudo-heads; below this many per tile the Triton kernel's 16/32-row tiles win.
+# Measured on the H200 (results/gluon-v3.json, per token, T 8192, topk 2048): 16 heads Gluon 5.47 ms vs Triton
+# 4.14 ms; 32 heads 5.55 vs 5.82 ms; 64 heads 6.10 vs 9.29 ms. Grouped tiles hold G * H = 128 pseudo-heads.
+GLUON_MIN_PSEUDO_HEADS = 32
+
+
+def select_backend(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None = None,
+                   pseudo_heads: int | None = None) -> tuple[str, str]:
     """(backend, reason) for a launch on these tensors, honouring ``SPARSE_MLA_MQA_BACKEND``.
+
+    ``pseudo_heads``: rows of one attention tile (H per token; G * H grouped; default H). Automatic
+    selection takes the Gluon kernel only from ``GLUON_MIN_PSEUDO_HEADS`` up.
 
     Raises:
         ValueError: the variable names an unknown backend, or forces one that does not apply here.
@@ -95,9 +105,13 @@ def select_backend(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None =
         if not ok:
             raise ValueError(f"{ENV_VAR}=gluon_sm90 but the Gluon kernel does not apply: {why}")
         return "gluon_sm90", f"forced by {ENV_VAR}=gluon_sm90"
-    if ok:
-        return "gluon_sm90", why
-    return "triton", f"gluon_sm90 does not apply: {why}"
+    if not ok:
+        return "triton", f"gluon_sm90 does not apply: {why}"
+    rows = q.shape[1] if pseudo_heads is None else pseudo_heads
+    if rows < GLUON_MIN_PSEUDO_HEADS:
+        return "triton", (f"{rows} pseudo-heads per tile < {GLUON_MIN_PSEUDO_HEADS}: the Triton kernel's smaller tiles "
+                          "are faster there (H200, results/gluon-v3.json)")
+    return "gluon_sm90", why
 
 
 def describe_backend(q: torch.Tensor, kv: torch.Tensor) -> str:
@@ -140,7 +154,7 @@ def grouped(q, kv, sm_scale: float, group_size: int, union_rows, union_bits, uni
             out, lse) -> str:
     """Grouped sparse MQA (128 pseudo-heads = G queries x H heads over each group's union rows) on
     validated tensors; picks the backend, logs it, launches, and returns the backend's name."""
-    name, why = select_backend(q, kv, out)
+    name, why = select_backend(q, kv, out, pseudo_heads=group_size * q.shape[1])
     logger.debug("sparse MQA grouped: backend %s (%s)", name, why)
     if name == "gluon_sm90":
         from . import gluon_sm90

@@ -133,10 +133,10 @@ if GLUON_IMPORT_ERROR is None:
             if HAS_PE:
                 s = warpgroup_mma(q_r, ring_r.index(st).permute((1, 0)), s, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-            s = gl.where(allowed, s, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+            s = gl.where(allowed, s * qk_scale, float("-inf"))  # scale first: sm_scale may be 0 or negative
+            m_new = gl.maximum(m_i, gl.max(s, axis=1))
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no valid row yet: avoid (-inf) - (-inf)
-            p = gl.exp2(s * qk_scale - m_use[:, None])
+            p = gl.exp2(s - m_use[:, None])
             alpha = gl.convert_layout(gl.exp2(m_i - m_use), rows_o)
             m_i = m_new
             a_op = gl.convert_layout(p.to(dt), p_l)
