@@ -16,7 +16,8 @@ import torch
 from .mqa import backends as mqa_backends
 from .mqa.triton_tl import D_V
 from .selection import overlap_guard_ratio, resolve_method
-from .union.triton_tl import MAX_GROUP_SIZE, build_union, plan_groups
+from .union import backends as union_backends
+from .union.triton_tl import MAX_GROUP_SIZE, plan_groups
 from .validation import require_kernel_tensor, validate_sparse_mla_args
 from .workspace import SparseMLAWorkspace, default_group_size
 
@@ -130,8 +131,8 @@ def _grouped_forward(p, G: int, ws: SparseMLAWorkspace, out: torch.Tensor, lse: 
     gs, gl, ul = ws.group_start[:n_groups], ws.group_len[:n_groups], ws.union_len[:n_groups]
     route = ws.route[:T]
     plan_groups(T, G, p.cu_seqlens_q, gs, gl, route)
-    build_union(p.indices, p.topk_length, p.num_kv_rows, G, gs, gl, route, ws.union_tables, ws.union_table_bits,
-                ws.union_rows, ws.union_bits, ul, guard_ratio=guard)
+    union_backends.build_union(p.indices, p.topk_length, p.num_kv_rows, G, gs, gl, route, ws, ws.union_rows,
+                               ws.union_bits, ul, guard_ratio=guard)
     mqa_backends.grouped(p.q, p.kv, p.sm_scale, G, ws.union_rows, ws.union_bits, ul, gs, gl, out, lse)
     mqa_backends.per_token(p.q, p.kv, p.indices, p.sm_scale, p.topk_length, out, lse, route=route)
 
@@ -201,8 +202,8 @@ def build_group_union(
     rows, bits = ws.union_rows[:n_groups], ws.union_bits[:n_groups]
     if T > 0:
         plan_groups(T, group_size, None, gs, gl, ws.route[:T])
-        build_union(indices, topk_length, N, group_size, gs, gl, ws.route[:T], ws.union_tables,
-                    ws.union_table_bits, rows, bits, ul)
+        union_backends.build_union(indices, topk_length, N, group_size, gs, gl, ws.route[:T], ws, rows, bits, ul,
+                                   complete=True)
     # The kernel's union is unsorted; this inspection API returns it sorted, -1 / 0 after the end.
     # Stable sort: the union occupies the first union_len slots, so a real row 2**31 - 1 sorts
     # before the empty slots that carry the same key.

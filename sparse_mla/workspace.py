@@ -40,8 +40,9 @@ class SparseMLAWorkspace:
 
     Buffers (device ``device``): ``group_start``, ``group_len``, ``union_len`` [max_groups] int32;
     ``route`` [max_tokens] int8; ``union_rows``, ``union_bits`` [max_groups, G * K] int32; the
-    union builder's hash tables ``union_tables`` (-1) and ``union_table_bits`` (0), [P, 2 * G_P * K_P]
-    int32 for P persistent programs. About ``max_tokens * K * 8`` bytes plus P * 256 KiB at G = 8,
+    Triton union builder's hash tables ``union_tables`` (-1) and ``union_table_bits`` (0), [P, 2 * G_P * K_P]
+    int32 for P persistent programs (the CUDA builder keeps its tables in shared memory and needs no
+    buffer of its own). About ``max_tokens * K * 8`` bytes plus P * 256 KiB at G = 8,
     topk 2048 (0.27 GiB + 66 MiB for 16K tokens on an H200).
     """
 

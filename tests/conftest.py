@@ -6,8 +6,25 @@ is decorated), so it is set here, before the tests import sparse_mla's kernels.
 
 import os
 
+import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.fixture(params=["triton", pytest.param("cuda_smem", marks=pytest.mark.gpu)])
+def union_backend(request, monkeypatch) -> str:
+    """Forces ``build_group_union`` / ``sparse_mla_fwd`` onto one union builder (SPARSE_MLA_UNION_BACKEND):
+    the Triton twin everywhere, the CUDA shared-memory builder where it can run (skipped elsewhere)."""
+    from lib import cuda_smem_unavailable
+
+    from sparse_mla.union import backends
+
+    if request.param == "cuda_smem":
+        why = cuda_smem_unavailable()
+        if why is not None:
+            pytest.skip(f"the CUDA union builder cannot run here: {why}")
+    monkeypatch.setenv(backends.ENV_VAR, request.param)
+    return request.param

@@ -145,7 +145,9 @@ def _expected_guarded(plan, sets, ratio: float | None) -> list[bool]:
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_grouped_matches_reference_and_per_token(case: Case):
+def test_grouped_matches_reference_and_per_token(case: Case, union_backend):
+    """Each case with each union builder (``union_backend``: the Triton twin, and the CUDA shared-memory
+    builder on a GPU): outputs, the groups and the guard's decisions."""
     p = _build(case, seed=case.H * 7 + case.K)
     T, H = p.q.shape[:2]
     G = case.group_size or default_group_size(H)
@@ -225,7 +227,7 @@ def test_huge_kv_rows_end_to_end(N):
     pytest.param(20, False, id="K20-disjoint-chain-of-80"),
     pytest.param(20, True, id="K20-shared-pool-of-40"),
 ])
-def test_hash_collisions_end_to_end(K, overlap):
+def test_hash_collisions_end_to_end(K, overlap, union_backend):
     """Every row of a group hashes to the last slot of the union builder's table (``lib.colliding_rows``
     mirrors its hash), so the union is built along one probe chain that wraps to slot 0. The result must
     be exact whichever way the builder handles a long chain: a group it reports as overflowed
@@ -279,7 +281,7 @@ def _check_auto(H, T, expected, caplog):
     assert len(chosen) == 1 and f"-> {expected} " in chosen[0], chosen
 
 
-def test_workspace_reuse_across_calls():
+def test_workspace_reuse_across_calls(union_backend):
     """One workspace, three calls with different q / kv and layouts (token-major T = 16, then requests
     with fewer groups, then a short token-major call) over the same rows in other orders: stale groups,
     unions, routes or hash-table entries of an earlier call must not leak into a later one (a stale

@@ -23,8 +23,8 @@ SHORT = {"dense_mha": "dense", "masked_mha": "masked", "mqa_grouped": "grouped",
 FIELD_NOTES = {
     "row": "scenario, model, tp, heads (per rank), dims, cached, new (= T), topk, kv_rows (N), useful_tflop, work_ratio "
            "(MHA FLOPs over causal windows / sparse FLOPs over top-k), floor_ms, group_size, union_ratio, union_build, "
-           "chosen_path, chosen_reason, chosen_ms, chosen_tflops, chosen_speedup_vs_per_token, chosen_speedup_vs_pad64, "
-           "best_path, max_rel_err, failures, paths",
+           "union_backend, chosen_path, chosen_reason, chosen_ms, chosen_tflops, chosen_speedup_vs_per_token, "
+           "chosen_speedup_vs_pad64, best_path, max_rel_err, failures, paths",
     "paths": "per path (dense_mha, masked_mha, mqa_grouped, mqa_per_token, mqa_per_token_pad64): supported, reason; when "
              "supported: rel_err, check_ok, ms (median of the trial medians), p20_ms / p80_ms (median over trials of each "
              "trial's 20 % / 80 % quantile: the spread within a trial), min_ms / max_ms (fastest / slowest trial median: the "
@@ -40,7 +40,8 @@ FIELD_NOTES = {
               "sum_t min(topk, window_t), the same work for every path",
     "floor_ms": "max(sparse_work / 790 TFLOP/s, per-token gathered latent bytes / 4.3 TB/s) (H200)",
     "union_ratio": "kernel level: mean union rows of G = 128 // H consecutive queries (groups inside the request) / mean "
-                   "valid rows per query; union_build: time of the hash-table union builder (ms, per trial)",
+                   "valid rows per query; union_build: time of group plan + union builder without the overlap guard (ms, per "
+                   "trial); union_backend: the builder sparse_mla.union.backends chose (cuda_smem or triton)",
     "rel_err": "relative Frobenius error vs the fp32 layer reference dsa_prefill_ref on 3 chunks of <= 16 tokens (start, "
                "middle, end), out NaN-poisoned before the call; check_ok = rel_err < 1e-2",
 }

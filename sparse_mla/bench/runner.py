@@ -157,6 +157,7 @@ def run_scenario(sc: Scenario, *, dtype: torch.dtype, device: torch.device, over
         "useful_tflop": useful / 1e12, "work_ratio": work_ratio(step),
         "floor_ms": floor_ms(step, torch.empty((), dtype=dtype).element_size()),
         "group_size": union["group_size"], "union_ratio": union["union_ratio"], "union_build": union["union_build"],
+        "union_backend": union["union_backend"],
         "chosen_path": chosen_name, "chosen_reason": chosen_reason,
         "chosen_ms": chosen.get("ms"), "chosen_tflops": chosen.get("tflops"),
         "chosen_speedup_vs_per_token": chosen.get("speedup_vs_per_token"),

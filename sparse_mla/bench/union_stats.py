@@ -1,6 +1,7 @@
 """Kernel-level union figures of a step: the union ratio the grouped kernel sees and the time of
-building the unions (``sparse_mla.union.triton_tl``: group plan + hash-table union builder), as the grouped
-path forms them (G = ``default_group_size(H)`` = 128 // H queries, groups inside the request).
+building the unions (group plan + the union builder ``sparse_mla.union.backends`` selects: the CUDA
+shared-memory one where it runs, else the Triton hash table), as the grouped path forms them
+(G = ``default_group_size(H)`` = 128 // H queries, groups inside the request).
 """
 
 from __future__ import annotations
@@ -8,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from ..layer.config import restrict_to_windows, token_windows
-from ..union.triton_tl import build_union, plan_groups
+from ..union import backends as union_backends
+from ..union.triton_tl import plan_groups
 from ..validation import counted_entries
 from ..workspace import SparseMLAWorkspace, default_group_size
 from .timing import time_trials
@@ -25,7 +27,8 @@ def union_stats(inputs: dict, heads: int, *, on_gpu: bool, trials: int) -> dict:
 
     Returns:
         {"group_size": G, "union_ratio": mean union rows per full group / mean valid rows per query
-        of those groups (NaN when T < G), "union_build": ``time_trials`` dict (ms)}.
+        of those groups (NaN when T < G), "union_build": ``time_trials`` dict (ms),
+        "union_backend": the builder that ran}.
     """
     idx = inputs["indices"]
     dev = idx.device
@@ -41,17 +44,24 @@ def union_stats(inputs: dict, heads: int, *, on_gpu: bool, trials: int) -> dict:
 
     def build() -> None:
         plan_groups(T, G, cu, ws.group_start, ws.group_len, ws.route[:T])
-        build_union(idx, tl, N, G, ws.group_start, ws.group_len, ws.route[:T], ws.union_tables,
-                    ws.union_table_bits, ws.union_rows, ws.union_bits, ws.union_len, guard_ratio=None)
+        union_backends.build_union(idx, tl, N, G, ws.group_start, ws.group_len, ws.route[:T], ws, ws.union_rows,
+                                   ws.union_bits, ws.union_len, guard_ratio=None)
 
     build()
+    # guard_ratio=None: "auto" picks the CUDA builder only where its table holds all G * K entries, so no
+    # union overflows; a forced SPARSE_MLA_UNION_BACKEND=cuda_smem may overflow some (union_len -1):
+    # the ratio then counts the other groups
+    backend, _ = union_backends.select_union_backend(dev, G, K)
     n_groups = T // G
     if n_groups:
-        union_rows = ws.union_len[:n_groups].double().mean().item()
-        ratio = union_rows / valid[: n_groups * G].double().mean().item()
+        ul = ws.union_len[:n_groups]
+        kept = (ul >= 0).repeat_interleave(G)
+        union_rows = ul[ul >= 0].double().mean().item()
+        ratio = union_rows / valid[: n_groups * G][kept].double().mean().item()
     else:
         ratio = float("nan")
-    return {"group_size": G, "union_ratio": ratio, "union_build": time_trials(build, on_gpu=on_gpu, trials=trials)}
+    return {"group_size": G, "union_ratio": ratio, "union_build": time_trials(build, on_gpu=on_gpu, trials=trials),
+            "union_backend": backend}
 
 
 __all__ = ["union_stats"]

@@ -12,7 +12,9 @@ variant once on small inputs, through the public entry points (so it follows ker
 * the grouped calls at one representative of every class of the integers that change from step
   to step: the token count T, the group count (the workspace's, or ceil(T / G)), the request
   count B and its power-of-two block (``step_shape_reps``), up to ``max_tokens`` / ``max_requests``;
-* the block-table converter (``kernels.index_convert``), with and without valid counts.
+* the block-table converter (``kernels.index_convert``), with and without valid counts;
+* the CUDA union builder (``sparse_mla.union.cuda_smem``, one variant per device, compiled by
+  NVRTC through CuPy) wherever ``sparse_mla.union.backends`` can run it.
 
 Assumptions: q, out, lse, indices are contiguous (as the engine passes them), kv has the engine's
 row stride and row-count class, and tensors passed by the engine are 16-byte aligned (whole
@@ -31,6 +33,8 @@ import triton
 from ..interface import sparse_mla_fwd
 from ..kernels import index_convert
 from ..mqa import triton_tl as sparse_mqa
+from ..union import backends as union_backends
+from ..union import cuda_smem as union_cuda_smem
 from ..union import triton_tl as union
 from ..union.triton_tl import MAX_GROUP_SIZE
 from ..validation import KERNEL_DTYPES, SUPPORTED_D_QK, flatten_kv
@@ -58,6 +62,7 @@ def compiled_variant_counts() -> dict[str, int]:
     for name, kernel in warmed_kernels().items():
         caches = getattr(kernel, "device_caches", None)
         counts[name] = 0 if caches is None else sum(len(c[0]) for c in list(caches.values()))
+    counts["build_union_cuda_smem"] = union_cuda_smem.compiled_kernel_count()  # CuPy RawKernels, per device
     return counts
 
 
@@ -204,6 +209,7 @@ def warmup(
         if not ok:
             raise ValueError(f"workspace does not fit this configuration: {why}")
     before = compiled_variant_counts()
+    union_backends.warmup(device)  # the CUDA union builder (NVRTC through CuPy), where it can run
     calls = 0
     gen = torch.Generator(device="cpu").manual_seed(0)
     scale = d_qk**-0.5
