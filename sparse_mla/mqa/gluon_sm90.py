@@ -524,7 +524,7 @@ SCHEDULE = os.environ.get("SPARSE_MLA_GLUON_SCHEDULE", "split")  # split measure
 PAIR_CONSUMER_REGS = 232  # each consumer warpgroup; the producer (the default partition) gets what is left
 
 
-def _kernel(schedule: str):
+def _kernel_for(schedule: str):
     if schedule not in SCHEDULES:
         raise ValueError(f"SPARSE_MLA_GLUON_SCHEDULE must be one of {SCHEDULES}, got {schedule!r}")
     return sparse_mqa_sm90_kernel if schedule == "split" else sparse_mqa_sm90_pair_kernel
@@ -559,7 +559,7 @@ def launch(q, kv, rows, bits, nrows, group_start, group_len, route, out, lse, sm
         return
     m_blocks = num_m_blocks(group_heads)
     dummy = rows
-    _kernel(SCHEDULE)[(num_lists * m_blocks, )](
+    _kernel_for(SCHEDULE)[(num_lists * m_blocks, )](
         q, kv, rows, bits if bits is not None else dummy, nrows if nrows is not None else dummy,
         group_start if group_start is not None else dummy, group_len if group_len is not None else dummy,
         route if route is not None else dummy, out, lse if lse is not None else out,
@@ -604,5 +604,5 @@ def compile_variant(grouped: bool, has_pe: bool, dtype: str, schedule: str, arch
     cx = variant_constexprs(grouped, has_pe, schedule)
     signature.update({k: "constexpr" for k in cx})
     attrs = {(names.index(n), ): [["tt.divisibility", 16]] for n in _ALIGNED}
-    src = GluonASTSource(_kernel(schedule), signature, constexprs=cx, attrs=attrs)
+    src = GluonASTSource(_kernel_for(schedule), signature, constexprs=cx, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": cx["num_warps"]})
