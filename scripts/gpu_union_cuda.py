@@ -7,8 +7,9 @@
    after the overlap guard; both layouts (groups inside requests with cu_seqlens, token-major groups
    spanning requests over global rows of a big paged cache), G = 1 .. 16, K = 64 .. 2048, padding,
    topk_length, rows near 2**31, stride-0 lists, the fallback (a forced small table, the no-overlap worst
-   case, G = 16 without a guard), other block sizes; the grouped sparse_mla_fwd with each builder.
-   One PASS / FAIL line per check.
+   case, G = 16 without a guard), other block sizes; with --e2e also the grouped sparse_mla_fwd with each
+   builder (compiles the attention kernels). Odd shapes are checked against the reference only (no Triton
+   compile for them). One PASS / FAIL line per check.
 2. Timings (triton.testing.do_bench, median, L2 flushed): group plan + union build as the grouped step runs
    it (overlap guard on), Triton vs CUDA, for the bench's synthetic "mid" top-k (sparse_mla.workloads,
    as sparse_mla.bench.inputs makes it: one request from an empty cache): 16K tokens at G = 8, 46K tokens
@@ -151,8 +152,14 @@ def expected_after(p, G, guard, planned, ulen_ref, nvalid, capacity):
     return ul.to(torch.int32), gl.to(torch.int32), over, guarded
 
 
-def check_case(name: str, p: Problem, G: int, guard: float | None, results: list, **cuda_kw) -> dict:
-    """Both builders vs the reference and vs each other; appends and prints one PASS / FAIL line."""
+class _Done(Exception):
+    """No cross-comparison to make (the Triton builder was not run)."""
+
+
+def check_case(name: str, p: Problem, G: int, guard: float | None, results: list, with_triton: bool = True,
+               **cuda_kw) -> dict:
+    """The CUDA builder (and the Triton one unless ``with_triton`` is False: that saves its compile for odd
+    shapes) vs the reference, and the two vs each other; appends and prints one PASS / FAIL line."""
     t0 = time.perf_counter()
     rec = {"name": name, "G": G, "K": p.K, "T": p.T, "N": p.N, "layout": "requests" if p.cu is not None else "token-major",
            "guard": guard, **{k: v for k, v in cuda_kw.items()}}
@@ -160,7 +167,7 @@ def check_case(name: str, p: Problem, G: int, guard: float | None, results: list
     try:
         ws = SparseMLAWorkspace(p.T, p.K, G, p.N, DEV)
         out = {}
-        for backend in ("triton", "cuda_smem"):
+        for backend in ("triton", "cuda_smem") if with_triton else ("cuda_smem",):
             for t in (ws.union_rows, ws.union_bits, ws.union_len):
                 t.fill_(-7)
             n, planned, plan = run(backend, p, G, guard, ws, **(cuda_kw if backend == "cuda_smem" else {}))
@@ -192,6 +199,8 @@ def check_case(name: str, p: Problem, G: int, guard: float | None, results: list
                 rec["table"] = {"slots": plan.slots, "capacity": plan.capacity, "smem_bytes": plan.smem_bytes,
                                 "keeps_guarded": plan.keeps_guarded}
                 cuda_plan = plan
+        if not with_triton:
+            raise _Done
         (_, gl_t, rt_t, k_t, b_t, keep_t), (ul_c, gl_c, rt_c, k_c, b_c, keep_c) = out["triton"], out["cuda_smem"]
         # where the CUDA table holds every union the guard keeps, routing is identical; elsewhere it is
         # identical on the groups that did not overflow
@@ -205,6 +214,8 @@ def check_case(name: str, p: Problem, G: int, guard: float | None, results: list
         kc, bc = canonical_subset(k_c, b_c, both)
         if not (torch.equal(kt, kc) and torch.equal(bt, bc)):
             problems.append("triton vs cuda_smem: unions differ")
+    except _Done:
+        pass
     except Exception as exc:  # a crash is a failed check, with its traceback
         problems.append(f"{type(exc).__name__}: {exc}")
         traceback.print_exc()
@@ -263,7 +274,7 @@ def e2e_check(results: list, seed: int) -> None:
           flush=True)
 
 
-def run_checks(seed: int) -> list:
+def run_checks(seed: int, e2e: bool) -> list:
     results = []
     gen = torch.Generator(device=DEV).manual_seed(seed)
     K = 2048
@@ -275,7 +286,7 @@ def run_checks(seed: int) -> list:
     check_case("G8-K2048-mid-threads512-unroll4", mid3, 8, overlap_guard_ratio(8), results, threads=512, unroll=4)
     check_case("G8-K2048-mid-threads256-unroll1", mid3, 8, overlap_guard_ratio(8), results, threads=256, unroll=1)
     check_case("G8-K2048-mid-forced-table4096-fallback", mid3, 8, overlap_guard_ratio(8), results, slots=4096)
-    check_case("G1-K2048-mid-requests-noguard", mid3, 1, None, results)
+    check_case("G1-K2048-mid-requests-noguard", mid3, 1, None, results, with_triton=False)
     # 2. token-major over a paged cache of 2**26 rows
     tm = Problem(paged(b.indices, b.num_kv_rows, gen), b.valid, PAGED_N, None)
     check_case("G4-K2048-mid-tokenmajor-paged-guard", tm, 4, overlap_guard_ratio(4), results)
@@ -296,21 +307,24 @@ def run_checks(seed: int) -> list:
     idx[::5, 3] = 5_000_000  # == N: padding
     idx[::11] = idx[::11].flip(1)
     tl = torch.randint(-3, K4 + 3, (T,), device=DEV, generator=gen, dtype=torch.int32)
-    check_case("G4-K512-iid-tokenmajor-topklen-guard", Problem(idx, tl, 5_000_000, None), 4, overlap_guard_ratio(4), results)
+    check_case("G4-K512-iid-tokenmajor-topklen-guard", Problem(idx, tl, 5_000_000, None), 4, overlap_guard_ratio(4), results,
+               with_triton=False)
     lengths = [int(x) for x in torch.randint(0, 40, (60,), generator=torch.Generator().manual_seed(seed))]
     T2 = sum(lengths)
     near = (2**31 - 1 - torch.randint(0, 50_000, (T2, 1000), device=DEV, generator=gen)).to(torch.int32)
     tl2 = torch.randint(0, 1001, (T2,), device=DEV, generator=gen, dtype=torch.int32)
     check_case("G2-K1000-near-2^31-requests-topklen-guard", Problem(near, tl2, 2**31, cu_of(lengths)), 2,
                overlap_guard_ratio(2), results)
-    check_case("G16-K1000-near-2^31-requests-noguard", Problem(near, None, 2**31, cu_of(lengths)), 16, None, results)
+    check_case("G16-K1000-near-2^31-requests-noguard", Problem(near, None, 2**31, cu_of(lengths)), 16, None, results,
+               with_triton=False)
     # 5. one list for every row (stride 0), G = 5
     one = torch.randperm(300_000, device=DEV, generator=gen)[:300].to(torch.int32)
     check_case("G5-K300-stride0-identical-tokenmajor", Problem(one.expand(777, 300), None, 300_000, None), 5,
-               overlap_guard_ratio(5), results)
+               overlap_guard_ratio(5), results, with_triton=False)
     check_case("G16-K64-tiny-requests", Problem(idx[:, :64].contiguous(), None, 5_000_000, cu_of([50, 17, 0, 100])), 16,
-               None, results)
-    e2e_check(results, seed)
+               None, results, with_triton=False)
+    if e2e:
+        e2e_check(results, seed)
     return results
 
 
@@ -424,6 +438,8 @@ def main() -> int:
     ap.add_argument("--json", default="out/union_cuda.json", help="where to write the results JSON")
     ap.add_argument("--seed", type=int, default=None, help="seed of the random inputs (default: from the clock)")
     ap.add_argument("--skip-timings", action="store_true")
+    ap.add_argument("--e2e", action="store_true", help="also the grouped sparse_mla_fwd with each builder (compiles the "
+                    "attention kernels: slower)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("FAIL: no CUDA device")
@@ -437,7 +453,7 @@ def main() -> int:
     t0 = time.perf_counter()
     cuda_smem.get_kernel(torch.cuda.current_device())
     compile_s = time.perf_counter() - t0
-    checks = run_checks(seed)
+    checks = run_checks(seed, args.e2e)
     timings = [] if args.skip_timings else run_timings(seed)
     import cupy
     import triton

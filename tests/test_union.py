@@ -604,7 +604,7 @@ def test_builder_case_table_covers_guard_decisions():
 @pytest.mark.skipif(not HAS_CUDA, reason="compares the CUDA builder with the Triton one on a GPU")
 @pytest.mark.parametrize("G, overlap, layout, guard", [
     pytest.param(8, "mid", "requests", True, id="G8-mid-requests-guard"),
-    pytest.param(8, "none", "tokenmajor", True, id="G8-none-tokenmajor-guard-all-overflow"),
+    pytest.param(8, "none", "tokenmajor", True, id="G8-none-disjoint-tokenmajor-guard-overflow"),
     pytest.param(16, "low", "tokenmajor", False, id="G16-low-tokenmajor-noguard"),
     pytest.param(4, "random", "requests", True, id="G4-random-requests-guard"),
     pytest.param(2, "mid", "tokenmajor", True, id="G2-mid-tokenmajor-guard"),
@@ -622,7 +622,8 @@ def test_backends_equal_on_gpu(G, overlap, layout, guard):
     from sparse_mla.workloads import synthetic_batch
 
     K = 2048
-    b = synthetic_batch([3000, 0], [700, 1100], K, overlap, seed=G, device=DEVICE)
+    cached = [40000, 40000] if overlap == "none" else [3000, 0]  # "none": disjoint lists (union G * K)
+    b = synthetic_batch(cached, [700, 1100], K, overlap, seed=G, device=DEVICE)
     blocks = torch.randperm(2**26 // 64, device=DEVICE)[: -(-b.num_kv_rows // 64)].to(torch.int64)
     glob_rows = torch.where(b.indices >= 0, blocks[(b.indices.clamp(min=0) // 64).long()] * 64 + b.indices % 64, -1)
     idx = glob_rows.to(torch.int32).contiguous()
@@ -644,8 +645,58 @@ def test_backends_equal_on_gpu(G, overlap, layout, guard):
     assert bool((gl_t[over] == 0).all()) or ratio is None, "an overflowed group the guard keeps"
     ok = ~over
     assert torch.equal(ul_c[ok], ul_t[ok]) and torch.equal(keys_c[ok], keys_t[ok]) and torch.equal(bits_c[ok], bits_t[ok])
+    assert torch.equal(over, ul_t > plan.capacity), "exactly the unions past the table's capacity overflow"
     if overlap == "none":
-        assert bool(over[gl_t.new_ones(gl_t.shape, dtype=torch.bool) & (ul_t > plan.capacity)].all())
+        assert bool(over[ul_t > 0].all()), "disjoint lists: every group overflows"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs need a GPU")
+def test_cuda_builder_in_a_cuda_graph():
+    """Plan + CUDA union build captured in a CUDA graph (launch on torch's capture stream, no host read),
+    replayed on new lists written into the same input buffer: equals an eager build of those lists."""
+    why = cuda_smem_unavailable()
+    if why is not None:
+        pytest.skip(f"the CUDA union builder cannot run here: {why}")
+    from sparse_mla.selection import overlap_guard_ratio
+
+    G, K, T, N = 8, 256, 203, 1 << 24
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    idx = torch.randint(0, 4096, (T, K), device=DEVICE, generator=gen, dtype=torch.int32)
+    ws = SparseMLAWorkspace(T, K, G, N, DEVICE)
+    n = -(-T // G)
+
+    def step():
+        plan_groups(T, G, None, ws.group_start[:n], ws.group_len[:n], ws.route[:T])
+        cuda_smem.build_union(idx, None, N, G, ws.group_start[:n], ws.group_len[:n], ws.route[:T], ws.union_rows,
+                              ws.union_bits, ws.union_len[:n], guard_ratio=overlap_guard_ratio(G))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compiled and warm before the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed in (1, 2):
+        idx.copy_(torch.randint(0, 2000 * seed, (T, K), device=DEVICE, generator=gen, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        got = [t.clone() for t in (ws.union_len[:n], ws.group_len[:n], ws.route[:T])]
+        got_rows = canonical_rows(ws, n)
+        step()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(got, (ws.union_len[:n], ws.group_len[:n], ws.route[:T])))
+        assert all(torch.equal(a, b) for a, b in zip(got_rows, canonical_rows(ws, n)))
+
+
+def canonical_rows(ws, n):
+    """(sorted rows, their membership words) per group, -1 / 0 past union_len (for comparisons)."""
+    ul = ws.union_len[:n].clamp(min=0).long()
+    inu = torch.arange(ws.union_rows.shape[1], device=ul.device)[None] < ul[:, None]
+    keys, order = torch.where(inu, ws.union_rows[:n], INT_MAX).sort(1)
+    return keys, torch.where(inu, ws.union_bits[:n], 0).gather(1, order)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -766,3 +817,17 @@ def test_cuda_source_compiles_with_nvrtc(arch):
     assert res != 0 and "error" in log
     res, log, _ = compile_cubin(lib, cuda_smem.source(), [*cuda_smem.compile_options(1000), f"--gpu-architecture={arch}"])
     assert res != 0 and "multiple of 32" in log
+
+
+def test_explain_names_the_union_builder(monkeypatch):
+    """``sparse_mla.layer.explain`` prints which union builder the grouped path runs here, and why."""
+    from sparse_mla.layer import PrefillStep, explain
+
+    step = PrefillStep(16, 512, 128, 64, 128, 2048, (0,), (8192,))
+    expected = "triton" if cuda_smem_unavailable() else "cuda_smem"
+    d = explain(step)
+    assert d.union_backend.startswith(f"union builder: {expected} (") and "(grouped MQA path) union builder" in str(d)
+    monkeypatch.setenv(backends.ENV_VAR, "triton")
+    assert explain(step).union_backend == "union builder: triton (forced by SPARSE_MLA_UNION_BACKEND=triton)"
+    monkeypatch.setenv(backends.ENV_VAR, "nope")
+    assert explain(step).union_backend.startswith("union builder: error (SPARSE_MLA_UNION_BACKEND must be one of")

@@ -147,12 +147,15 @@ class PathDecision:
     supports: dict[str, tuple[bool, str]] = field(default_factory=dict)
     work_ratio: float = float("nan")
     attention_backend: str = ""  # which sparse MQA kernel backend the MQA paths launch here, and why
+    union_backend: str = ""  # which union builder the grouped MQA path runs here, and why
 
     def __str__(self) -> str:
         lines = [f"path: {self.path} ({self.reason})"]
         lines += [f"  {name}: {'yes' if ok else 'no'} - {why}" for name, (ok, why) in self.supports.items()]
         if self.attention_backend:
             lines.append(f"  (sparse MQA paths) {self.attention_backend}")
+        if self.union_backend:
+            lines.append(f"  (grouped MQA path) {self.union_backend}")
         return "\n".join(lines)
 
 
@@ -228,15 +231,17 @@ def explain(step: PrefillStep, path: str | None = None) -> PathDecision:
     sup = {name: p.supports(step) for name, p in PATHS.items()}
     ratio = work_ratio(step)
     from ..mqa.backends import describe_for_device
+    from ..union.backends import describe_for_step
 
     backend = describe_for_device()
+    union = describe_for_step(step.num_heads, step.topk)
     if requested is not None and sup[requested][0]:
-        return PathDecision(requested, f"forced by {source}{requested}", requested, False, sup, ratio, backend)
+        return PathDecision(requested, f"forced by {source}{requested}", requested, False, sup, ratio, backend, union)
     name, why = auto_path(step, sup, ratio)
     if requested is not None:
         why = f"forced {requested} ({source}) does not support the step: {sup[requested][1]}; fell back to {name}: {why}"
-        return PathDecision(name, why, requested, True, sup, ratio, backend)
-    return PathDecision(name, why, None, False, sup, ratio, backend)
+        return PathDecision(name, why, requested, True, sup, ratio, backend, union)
+    return PathDecision(name, why, None, False, sup, ratio, backend, union)
 
 
 def choose_path(step: PrefillStep, path: str | None = None) -> tuple[str, str]:

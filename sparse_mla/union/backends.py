@@ -158,6 +158,19 @@ def describe_union_backend(device: torch.device | str, group_size: int, topk: in
     return f"union builder: {name} ({why})"
 
 
+def describe_for_step(num_heads: int, topk: int, device: torch.device | None = None) -> str:
+    """The ``describe_union_backend`` line for a grouped step of ``num_heads`` heads (G =
+    ``default_group_size``) and ``topk``, with the default overlap guard, on ``device`` (default: the
+    current CUDA device, else the CPU); what ``sparse_mla.layer.explain`` prints."""
+    from ..selection import overlap_guard_ratio
+    from ..workspace import default_group_size
+
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    G = default_group_size(num_heads)
+    return describe_union_backend(device, G, topk, overlap_guard_ratio(G))
+
+
 def build_union(
     indices: torch.Tensor, topk_length: torch.Tensor | None, num_kv_rows: int, group_size: int,
     group_start: torch.Tensor, group_len: torch.Tensor, route: torch.Tensor, workspace,
@@ -197,4 +210,4 @@ def warmup(device: torch.device | str) -> bool:
 
 
 __all__ = ["BACKENDS", "ENV_VAR", "UnionDeviceFacts", "build_union", "choose_union_backend", "cuda_smem_applies",
-           "describe_union_backend", "device_facts", "select_union_backend", "warmup"]
+           "describe_for_step", "describe_union_backend", "device_facts", "select_union_backend", "warmup"]
