@@ -15,12 +15,12 @@
    as sparse_mla.bench.inputs makes it: one request from an empty cache): 16K tokens at G = 8, 46K tokens
    at G = 8, 16K at G = 2, 4, 16, and the no-overlap worst case ("none" lists behind a 32K cached prefix,
    disjoint); each in both layouts. Also the CUDA builder without the guard (what `sparse-mla bench`'s
-   union_build column times) and kernel variants at 16K, G = 8.
+   union_build column times) and kernel variants (block size, loads in flight, table size) at 16K, G = 8, 2, 4.
 
 Writes a JSON (command, git revision, GPU, date, versions, seed, checks, timings) to --json and prints a
 short table last. Exit status 1 if a check failed. About 1-3 minutes on an H200:
 
-    python3 scripts/gpu_union_cuda.py --json results/union_cuda.json
+    python3 scripts/gpu_union_cuda.py --json results/union-cuda.json
 """
 
 from __future__ import annotations
@@ -421,21 +421,25 @@ def run_timings(seed: int) -> list:
                   f"  x{rec['speedup']:5.1f}  same {rec['same_unions']}", flush=True)
             del ws
             torch.cuda.empty_cache()
-    # kernel variants at 16K, G = 8, mid, request layout
+    # kernel variants at 16K tokens, mid, request layout (G = 8; G = 2, where a CTA has 4 entries per thread)
     p = lists["mid16k"]["requests"]
-    ws = SparseMLAWorkspace(p.T, p.K, 8, p.N, DEV)
-    for label, kw in (("threads 1024 unroll 8 (default)", {}), ("threads 1024 unroll 4", {"unroll": 4}),
-                      ("threads 512 unroll 8", {"threads": 512}), ("threads 512 unroll 4", {"threads": 512, "unroll": 4}),
-                      ("table 32768 slots (1 CTA/SM)", {"slots": 32768}), ("table 8192 slots", {"slots": 8192})):
-        ms = bench(step_fn("cuda_smem", p, 8, overlap_guard_ratio(8), ws, **kw))
-        rows.append({"case": "16K G8 mid variant", "variant": label, "layout": "requests", "cuda_smem_ms": ms, **kw})
-        print(f"time variant {label:34s} {ms:6.3f} ms", flush=True)
+    variants = [(8, "threads 1024 unroll 8 (default)", {}), (8, "threads 1024 unroll 4", {"unroll": 4}),
+                (8, "threads 512 unroll 8", {"threads": 512}), (8, "threads 512 unroll 4", {"threads": 512, "unroll": 4}),
+                (8, "table 32768 slots (1 CTA/SM)", {"slots": 32768}), (8, "table 8192 slots", {"slots": 8192}),
+                (2, "default", {}), (2, "table 4096 slots", {"slots": 4096}), (2, "table 16384 slots", {"slots": 16384}),
+                (2, "threads 512", {"threads": 512}), (2, "threads 256 unroll 4", {"threads": 256, "unroll": 4}),
+                (4, "default", {}), (4, "threads 512", {"threads": 512})]
+    for G, label, kw in variants:
+        ws = SparseMLAWorkspace(p.T, p.K, G, p.N, DEV)
+        ms = bench(step_fn("cuda_smem", p, G, overlap_guard_ratio(G), ws, **kw))
+        rows.append({"case": f"16K G{G} mid variant", "variant": label, "layout": "requests", "cuda_smem_ms": ms, **kw})
+        print(f"time variant G{G} {label:34s} {ms:6.3f} ms", flush=True)
     return rows
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", default="out/union_cuda.json", help="where to write the results JSON")
+    ap.add_argument("--json", default="out/union-cuda.json", help="where to write the results JSON")
     ap.add_argument("--seed", type=int, default=None, help="seed of the random inputs (default: from the clock)")
     ap.add_argument("--skip-timings", action="store_true")
     ap.add_argument("--e2e", action="store_true", help="also the grouped sparse_mla_fwd with each builder (compiles the "
@@ -485,7 +489,7 @@ def main() -> int:
               f"{r['speedup']:.1f}x | {r['cuda_smem_noguard_ms']:.3f} | {r['table']['slots']} | {r['same_unions']} |")
     for r in timings:
         if "variant" in r:
-            print(f"| variant: {r['variant']} | requests | | | {r['cuda_smem_ms']:.3f} | | | | |")
+            print(f"| {r['case']}: {r['variant']} | requests | | | {r['cuda_smem_ms']:.3f} | | | | |")
     return 1 if n_fail else 0
 
 

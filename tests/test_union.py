@@ -776,6 +776,7 @@ def test_plan_table():
     assert cuda_smem.guard_limit(8, 2048, 5.8) == 11879 <= p.capacity
     p = cuda_smem.plan_table(16, 2048, 11.6, 232448)
     assert (p.slots, p.keeps_guarded, p.exact) == (32768, True, False)
+    assert [cuda_smem.plan_table(G, 2048, 0.725 * G, 232448).slots for G in (1, 2, 4)] == [4096, 8192, 8192]
     p = cuda_smem.plan_table(16, 2048, 11.6, 166912)  # A100: capped at 16384 slots
     assert (p.slots, p.keeps_guarded) == (16384, False)
     for G in range(1, 17):
@@ -786,6 +787,7 @@ def test_plan_table():
                 assert p.keeps_guarded or p.slots == 1 << cuda_smem.MAX_LOG_SLOTS
                 assert p.exact or p.slots - p.capacity >= cuda_smem.THREADS
                 assert p.exact == (G * K <= p.capacity)
+                assert p.slots >= min(cuda_smem.SMALL_TABLE_SLOTS, 2 * G * K)  # small tables: load <= 1/2
     assert cuda_smem.plan_table(8, 20, None, 232448, slots=64).capacity == 48
     for bad in (48, 32, 1 << 16):
         with pytest.raises(ValueError, match="power of two"):

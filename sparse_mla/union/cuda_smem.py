@@ -12,8 +12,9 @@ CPU-tested twin (same outputs, same overlap guard).
 Table (``plan_table``): S = 2^n slots of 6 bytes (int32 key, 16 membership bits), sized so that
 every union the caller keeps fits at a load factor <= 3/4: all G * K entries without the overlap
 guard, else the guard's limit (``guard_ratio * K`` rows: a group above it runs per token anyway),
-capped by the device's shared memory per block (227 KiB on the H200: up to 32768 slots, 192 KiB).
-At G = 8, K = 2048 with the default guard: 16384 slots (96 KiB), two CTAs per SM.
+and at least min(2 G K, 8192) slots; capped by the device's shared memory per block (227 KiB on the
+H200: up to 32768 slots, 192 KiB). With the default guard at K = 2048: G = 2 and 4: 8192 slots
+(48 KiB), G = 8: 16384 (96 KiB, two CTAs per SM), G = 16: 32768 (192 KiB, one CTA per SM).
 Overflow: a group whose union holds more than ``capacity`` = 3/4 S rows stops early and gets
 ``union_len = -1``, ``group_len = 0`` and ``route = 1`` for its rows (they run per token): exact
 results, never a crash. With the plan above this happens only to groups the guard would send per
@@ -45,6 +46,10 @@ MIN_BLOCKS = 2  # __launch_bounds__ minimum resident CTAs per SM: caps registers
 UNROLL = 8  # index loads in flight per thread before its probes
 MAX_GROUP_SIZE = 16  # membership words are 16 bits per slot
 MAX_LOAD = 0.75  # capacity = 3/4 of the slots
+# Tables are at least min(2 G K, this) slots (48 KiB): H200, 16K tokens, G = 2, "mid" top-k (union 1.14 K),
+# plan + build: 0.518 ms with 4096 slots, 0.442 ms with 8192 (results/union-cuda.json: the guarded and
+# the guard-less runs); at G = 4 8192 slots (0.297 ms) beat 16384 (0.312 ms), at G = 8 16384 beat 32768.
+SMALL_TABLE_SLOTS = 8192
 MIN_LOG_SLOTS = 6
 MAX_LOG_SLOTS = 15  # 32768 slots = 192 KiB
 SLOT_BYTES = 6  # int32 key + 16 membership bits
@@ -124,6 +129,9 @@ def plan_table(group_size: int, topk: int, guard_ratio: float | None, max_smem_p
             # overflow is possible: keep S - capacity >= THREADS so that rows inserted by warps that
             # have not yet seen the count pass the capacity still find free slots quickly
             log_s = max(log_s, (4 * THREADS).bit_length() - 1)
+        # small tables: at least 2 G K slots (load <= 1/2 with no overlap at all) up to SMALL_TABLE_SLOTS,
+        # where clearing and compacting cost little next to the probe chains of a fuller table
+        log_s = max(log_s, (min(SMALL_TABLE_SLOTS, 2 * total) - 1).bit_length())
         log_s = min(log_s, top)
     else:
         if slots < 1 or slots & (slots - 1) or not MIN_LOG_SLOTS <= slots.bit_length() - 1 <= top:
