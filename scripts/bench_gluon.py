@@ -137,13 +137,21 @@ def main():
     ap.add_argument("--quick", action="store_true", help="128/64-head per-token and 16-head grouped only")
     ap.add_argument("--backends", default="gluon_sm90:pair,gluon_sm90:split,triton",
                     help="comma-separated backends to time (gluon_sm90:<schedule> picks the Gluon schedule)")
+    ap.add_argument("--ablate", default="", help="comma-separated ABLATE masks of the split schedule to time at "
+                    "64 heads per token (timing only: results are wrong by design)")
     a = ap.parse_args()
     dev = torch.device("cuda")
     names = a.backends.split(",")
     rows = []
-    for H in ((128, 64) if a.quick else (128, 64, 32, 16)):
+    for mask in [int(x) for x in a.ablate.split(",") if x]:
+        gluon_sm90.ABLATE = mask
+        for r in per_token_rows(64, 8192, 2048, 32768, dev, ["gluon_sm90:split"]):
+            r["case"] = f"ablate {mask} per_token H64"
+            rows.append(r)
+        gluon_sm90.ABLATE = 0
+    for H in (() if a.ablate else (128, 64) if a.quick else (128, 64, 32, 16)):
         rows += per_token_rows(H, 8192, 2048, 32768, dev, names)
-    for H in ((16, ) if a.quick else (16, 32, 8)):
+    for H in (() if a.ablate else (16, ) if a.quick else (16, 32, 8)):
         rows += grouped_rows(H, 16384, 8192, 2048, dev, names)
     meta = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv), git_revision=git_revision(),
                 gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),

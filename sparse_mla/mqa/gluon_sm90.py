@@ -99,7 +99,7 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def _consumer(q_v, q_r, ring_v, ring_r, ready, empty, rows_ptr, bits_ptr, row_stride, N, gid, n_rows, n_tiles,
                   mb, tok0, H, n_heads, out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, qk_scale, has_lse,
-                  GROUPED: gl.constexpr, HAS_PE: gl.constexpr, STAGES: gl.constexpr):
+                  GROUPED: gl.constexpr, HAS_PE: gl.constexpr, STAGES: gl.constexpr, ABLATE: gl.constexpr):
         """Two warpgroups side by side (warps_per_cta [4, 2]): warpgroup w computes S[:, 32w:32w+32] and
         owns O[:, 256w:256w+256]; Triton exchanges the row max and P across them through shared memory."""
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
@@ -129,21 +129,30 @@ if GLUON_IMPORT_ERROR is None:
                 allowed = ((idx >= 0) & (idx < N))[None, :]
             mbarrier.wait(ready.index(st), (j // STAGES) & 1)
             fence_async_shared()  # cp.async writes (generic proxy) -> wgmma reads (async proxy)
-            s = warpgroup_mma(q_v, ring_v.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
-            if HAS_PE:
-                s = warpgroup_mma(q_r, ring_r.index(st).permute((1, 0)), s, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+            if ABLATE & 8:  # timing knob: no Q.K^T
+                s = s0
+            else:
+                s = warpgroup_mma(q_v, ring_v.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
+                if HAS_PE:
+                    s = warpgroup_mma(q_r, ring_r.index(st).permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
             s = gl.where(allowed, s * qk_scale, float("-inf"))  # scale first: sm_scale may be 0 or negative
-            m_new = gl.maximum(m_i, gl.max(s, axis=1))
+            if ABLATE & 1:  # timing knob: no row max (no cross-warpgroup exchange)
+                m_new = m_i
+            else:
+                m_new = gl.maximum(m_i, gl.max(s, axis=1))
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no valid row yet: avoid (-inf) - (-inf)
             p = gl.exp2(s - m_use[:, None])
             alpha = gl.convert_layout(gl.exp2(m_i - m_use), rows_o)
             m_i = m_new
             a_op = gl.convert_layout(p.to(dt), p_l)
-            l_i = l_i * alpha + gl.convert_layout(gl.sum(a_op.to(gl.float32), axis=1), rows_o)  # rows of what is summed
-            o = o * alpha[:, None]
-            o = warpgroup_mma(a_op, ring_v.index(st), o, is_async=True)
-            o, a_op = warpgroup_mma_wait(num_outstanding=0, deps=(o, a_op))
+            if not (ABLATE & 4):  # timing knob 4: no row sum
+                l_i = l_i * alpha + gl.convert_layout(gl.sum(a_op.to(gl.float32), axis=1), rows_o)  # rows summed
+            if not (ABLATE & 16):  # timing knob 16: no O rescale
+                o = o * alpha[:, None]
+            if not (ABLATE & 2):  # timing knob 2: no P.V
+                o = warpgroup_mma(a_op, ring_v.index(st), o, is_async=True)
+                o, a_op = warpgroup_mma_wait(num_outstanding=0, deps=(o, a_op))
             gl.thread_barrier()  # every consumer warp is done reading stage st ...
             mbarrier.arrive(empty.index(st), count=1)  # ... before one thread releases it
         # epilogue: pseudo-head p -> (token, head); rows past the real pseudo-heads are never stored
@@ -176,7 +185,7 @@ if GLUON_IMPORT_ERROR is None:
         stride_qt, stride_qh, stride_kvn, row_stride, stride_ot, stride_oh, stride_lt,
         N, H, K, qk_scale, m_blocks, group_heads, has_nrows, has_route, has_lse,
         GROUPED: gl.constexpr, HAS_PE: gl.constexpr, STAGES: gl.constexpr,
-        PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, num_warps: gl.constexpr,
+        PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ABLATE: gl.constexpr, num_warps: gl.constexpr,
     ):
         """One CTA per (list, m-block) on a 1-D grid, the m-blocks of a list adjacent (they share its rows in L2).
 
@@ -244,7 +253,7 @@ if GLUON_IMPORT_ERROR is None:
         gl.warp_specialize([
             (_consumer, (q_v, q_r, ring_v, ring_r, ready, empty, rows_ptr, bits_ptr, row_stride, N, gid, n_rows,
                          n_tiles, mb, tok0, H, n_heads, out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, qk_scale,
-                         has_lse, GROUPED, HAS_PE, STAGES)),
+                         has_lse, GROUPED, HAS_PE, STAGES, ABLATE)),
             (_producer, (kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, n_tiles, ring_v, ring_r, ready,
                          empty, HAS_PE, STAGES)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
@@ -269,17 +278,21 @@ if GLUON_IMPORT_ERROR is None:
         return gl.convert_layout(smem.load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), layout)
 
     @gluon.jit
-    def _tile_mask(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, j, qi, s_l: gl.constexpr, GROUPED: gl.constexpr):
-        """[64, 64] bool: which (pseudo-head, kv row) pairs of tile j count."""
+    def _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, j, s_l: gl.constexpr, GROUPED: gl.constexpr):
+        """Per kv column of tile j: the membership word (grouped) or 1 / 0 for a valid / invalid row (per token).
+        Loaded before the tile's wait (latency hidden); ``_tile_allowed`` expands it after the Q.K^T."""
         pos = j * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(0, s_l))
         in_list = pos < n_rows
         if GROUPED:
-            bits = gl.load(bits_ptr + gid.to(gl.int64) * row_stride + pos, mask=in_list, other=0)
-            allowed = (((bits[None, :] >> gl.maximum(qi, 0)[:, None]) & 1) != 0) & (qi >= 0)[:, None]
+            return gl.load(bits_ptr + gid.to(gl.int64) * row_stride + pos, mask=in_list, other=0)
         else:
             idx = gl.load(rows_ptr + gid.to(gl.int64) * row_stride + pos, mask=in_list, other=-1)
-            allowed = ((idx >= 0) & (idx < N))[None, :] & (qi >= 0)[:, None]
-        return allowed
+            return ((idx >= 0) & (idx < N)).to(gl.int32)
+
+    @gluon.jit
+    def _tile_allowed(cols, qi):
+        """[64, 64] bool: which (pseudo-head, kv row) pairs count (qi = the row's query in the group, -1 = none)."""
+        return (((cols[None, :] >> gl.maximum(qi, 0)[:, None]) & 1) != 0) & (qi >= 0)[:, None]
 
     @gluon.jit
     def _pair_qk(q_v, q_r, ring_v, ring_r, ready, st: gl.constexpr, i, s0, HAS_PE: gl.constexpr):
@@ -339,9 +352,9 @@ if GLUON_IMPORT_ERROR is None:
         o = gl.zeros([_BH, 256], gl.float32, layout=o_l)
         s0 = gl.zeros([_BH, _BN], gl.float32, layout=s_l)
         for i in range(n_pairs):
-            allowed = _tile_mask(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 2 * i, qi, s_l, GROUPED)
+            cols = _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 2 * i, s_l, GROUPED)
             s = _pair_qk(q_v, q_r, ring_v, ring_r, ready, 0, i, s0, HAS_PE)
-            s = gl.where(allowed, s * qk_scale, float("-inf"))
+            s = gl.where(_tile_allowed(cols, qi), s * qk_scale, float("-inf"))
             m0 = gl.maximum(m_i, gl.max(s, axis=1))
             _vec_store(s_m0, m0)
             gl.thread_barrier()
@@ -349,13 +362,14 @@ if GLUON_IMPORT_ERROR is None:
             p = gl.exp2(s - m0[:, None])
             alpha = gl.exp2(m_i - m0)
             o = o * gl.convert_layout(alpha, rows_o)[:, None]
-            a_op = gl.convert_layout(p.to(dt), p_l)
-            o = warpgroup_mma(a_op, ring_v.index(0).slice(0, 256, dim=1), o, is_async=True)
             l_i = l_i * alpha + gl.sum(p, axis=1)
+            pb = p.to(dt)  # only the rounded P stays live (registers are the limit of this schedule)
+            a_op = gl.convert_layout(pb, p_l)
+            o = warpgroup_mma(a_op, ring_v.index(0).slice(0, 256, dim=1), o, is_async=True)
             mbarrier.wait(bars.index(1), i & 1)  # m1 ready
             m1 = _vec_load(s_m1, rows_s)
             beta = gl.exp2(m0 - m1)
-            s_p0.store((p * beta[:, None]).to(dt))  # P0 at the common max m1, for warpgroup 1
+            s_p0.store((pb.to(gl.float32) * beta[:, None]).to(dt))  # P0 at the common max m1, for warpgroup 1
             fence_async_shared()
             o, a_op = warpgroup_mma_wait(num_outstanding=0, deps=(o, a_op))
             gl.thread_barrier()
@@ -391,9 +405,9 @@ if GLUON_IMPORT_ERROR is None:
         o = gl.zeros([_BH, 256], gl.float32, layout=o_l)
         s0 = gl.zeros([_BH, _BN], gl.float32, layout=s_l)
         for i in range(n_pairs):
-            allowed = _tile_mask(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 2 * i + 1, qi, s_l, GROUPED)
+            cols = _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 2 * i + 1, s_l, GROUPED)
             s = _pair_qk(q_v, q_r, ring_v, ring_r, ready, 1, i, s0, HAS_PE)
-            s = gl.where(allowed, s * qk_scale, float("-inf"))
+            s = gl.where(_tile_allowed(cols, qi), s * qk_scale, float("-inf"))
             mbarrier.wait(bars.index(0), i & 1)  # m0 ready
             m1 = gl.maximum(_vec_load(s_m0, rows_s), gl.max(s, axis=1))
             _vec_store(s_m1, m1)
@@ -521,6 +535,9 @@ STAGES = 2
 # "pair": sparse_mqa_sm90_pair_kernel (FlashMLA's split: a kv tile per warpgroup, ping-pong on the tensor core).
 SCHEDULES = ("split", "pair")
 SCHEDULE = os.environ.get("SPARSE_MLA_GLUON_SCHEDULE", "split")  # split measured faster: NOTES-GPU.md
+# Timing knob of the split schedule (bitmask: 1 no row max, 2 no P.V, 4 no row sum, 8 no Q.K^T, 16 no O rescale):
+# wrong results, only for placing time inside the kernel (scripts/bench_gluon.py --ablate). 0 in production.
+ABLATE = 0
 PAIR_CONSUMER_REGS = 232  # each consumer warpgroup; the producer (the default partition) gets what is left
 
 
@@ -535,7 +552,7 @@ def variant_constexprs(grouped: bool, has_pe: bool, schedule: str | None = None)
     package launches 2 modes x 2 D_qk x 2 dtypes = 8 variants per schedule, each compiled for sm_90 in CI)."""
     if (schedule or SCHEDULE) == "split":
         return dict(GROUPED=grouped, HAS_PE=has_pe, STAGES=STAGES, PRODUCER_WARPS=PRODUCER_WARPS,
-                    PRODUCER_REGS=PRODUCER_REGS, num_warps=CONSUMER_WARPS)
+                    PRODUCER_REGS=PRODUCER_REGS, ABLATE=ABLATE, num_warps=CONSUMER_WARPS)
     return dict(GROUPED=grouped, HAS_PE=has_pe, CONSUMER_REGS=PAIR_CONSUMER_REGS, num_warps=4)
 
 
