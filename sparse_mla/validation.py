@@ -8,6 +8,8 @@ checked mode (``check=True``).
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from dataclasses import dataclass
 
@@ -65,6 +67,138 @@ def _require_int32(name: str, x: torch.Tensor, shape_doc: str) -> None:
 def _require_same_device(name: str, x: torch.Tensor, ref: torch.Tensor) -> None:
     if x.device != ref.device:
         raise ValueError(f"{name} is on {x.device} but q is on {ref.device}; all tensors must share one device")
+
+
+def describe(x: object) -> str:
+    """What an argument is, for error messages: a tensor's dtype, shape, device and strides, else its
+    type and value."""
+    if isinstance(x, torch.Tensor):
+        return f"{str(x.dtype).replace('torch.', '')} {list(x.shape)} on {x.device} with strides {tuple(x.stride())}"
+    return f"{type(x).__name__} {x!r}"
+
+
+def require_bool(name: str, x: object) -> bool:
+    """``x`` itself if it is a bool; a TypeError naming ``name`` otherwise (0 / 1, None or a string are not
+    silently read as a truth value)."""
+    if not isinstance(x, bool):
+        raise TypeError(f"{name} must be a bool (True or False), got {describe(x)}")
+    return x
+
+
+def require_int(name: str, x: object, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``x`` as an int: an integer (Python or NumPy), not a bool and not a float (8.0 is refused, not
+    truncated). Raises TypeError for the type, ValueError for a value outside [minimum, maximum]."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {describe(x)}")
+    v = int(x)
+    if (minimum is not None and v < minimum) or (maximum is not None and v > maximum):
+        lo = "-inf" if minimum is None else minimum
+        hi = "inf" if maximum is None else maximum
+        raise ValueError(f"{name} must be an int in [{lo}, {hi}], got {v}")
+    return v
+
+
+def require_finite_float(name: str, x: object, what: str = "") -> float:
+    """``x`` as a float: a real Python / NumPy number, not a bool (True would silently be 1.0) and not a
+    tensor (reading one syncs the device). Raises TypeError for the type, ValueError when not finite."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        hint = " (pass a Python float; a tensor would need a device sync)" if isinstance(x, torch.Tensor) else ""
+        raise TypeError(f"{name} must be a finite float{what}, got {describe(x)}{hint}")
+    v = float(x)
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be a finite float{what}, got {v!r}")
+    return v
+
+
+def has_self_overlap(x: torch.Tensor) -> bool:
+    """True when two elements of ``x`` may share memory (a stride-0 / expanded view, or strides that
+    interleave): a sufficient test, so a layout it cannot prove free of overlap counts as overlapping."""
+    extent = 1  # elements spanned by the dims checked so far
+    for stride, size in sorted((st, sz) for st, sz in zip(x.stride(), x.shape) if sz > 1):
+        if stride < extent:
+            return True
+        extent += stride * (size - 1)
+    return False
+
+
+def _byte_span(x: torch.Tensor) -> tuple[int, int, int]:
+    """(storage address, first byte, one past the last byte) of the memory ``x`` can touch."""
+    start = x.storage_offset() * x.element_size()
+    last = sum((sz - 1) * st for sz, st in zip(x.shape, x.stride())) if x.numel() else -1
+    return x.untyped_storage().data_ptr(), start, start + (last + 1) * x.element_size()
+
+
+def shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory ranges of ``a`` and ``b`` intersect (same storage; conservative for
+    interleaved views). False for tensors without storage (meta, fake) and for empty ones."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device or a.device.type == "meta":
+        return False
+    try:
+        pa, sa, ea = _byte_span(a)
+        pb, sb, eb = _byte_span(b)
+    except (RuntimeError, NotImplementedError):  # FakeTensor / functional tensors carry no storage address
+        return False
+    return pa == pb and sa < eb and sb < ea
+
+
+LAYOUTS = {
+    "any": "any strides",
+    "last_dim": "last dim contiguous (stride 1)",
+    "contiguous": "contiguous",
+}
+
+
+def check_tensor(name: str, x: object, *, dims: str, shape: tuple[int, ...] | None = None,
+                 dtype: torch.dtype | tuple[torch.dtype, ...] | None = None, device: torch.device | None = None,
+                 layout: str = "any", writable: bool = False) -> torch.Tensor:
+    """One argument checked in full, before any launch: a tensor, of ``dtype`` (one of them, for a
+    tuple), ``shape`` (None: any), on ``device`` (None: any), with ``layout`` ("any", "last_dim",
+    "contiguous"), and, for a buffer a kernel writes (``writable``), no two elements sharing memory.
+    Every message names the argument, says what was expected (``dims`` is the symbolic shape, e.g.
+    "[T, H, d_v]") and what was found.
+
+    Raises:
+        TypeError: not a tensor, or another dtype.
+        ValueError: another shape, device or layout, or an overlapping buffer.
+    """
+    want_dtype = "" if dtype is None else (
+        " " + "/".join(str(d).replace("torch.", "") for d in dtype) if isinstance(dtype, tuple)
+        else " " + str(dtype).replace("torch.", ""))
+    want_shape = dims if shape is None else f"{dims} = {list(shape)}"
+    where = "" if device is None else f" on {device}"
+    expected = f"{want_shape}{want_dtype}{where}, {LAYOUTS[layout]}"
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {expected}; got {describe(x)}")
+    if dtype is not None and x.dtype not in (dtype if isinstance(dtype, tuple) else (dtype,)):
+        raise TypeError(f"{name} must be {expected}; got dtype {x.dtype}")
+    if shape is not None and tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must be {expected}; got shape {list(x.shape)}")
+    if device is not None and x.device != device:
+        raise ValueError(f"{name} must be {expected}; got a tensor on {x.device} (all tensors must share one device)")
+    if layout == "last_dim" and x.dim() and x.shape[-1] > 1 and x.stride(-1) != 1:
+        raise ValueError(f"{name} must be {expected}; got strides {tuple(x.stride())}")
+    if layout == "contiguous" and not x.is_contiguous():
+        raise ValueError(f"{name} must be {expected}; got strides {tuple(x.stride())}")
+    if writable and has_self_overlap(x):
+        raise ValueError(f"{name} must be {expected}, and every element its own memory (a buffer the kernel "
+                         f"writes); got strides {tuple(x.stride())} for shape {list(x.shape)} (an expanded or "
+                         "overlapping view)")
+    return x
+
+
+def require_disjoint(outputs: dict[str, torch.Tensor | None], inputs: dict[str, torch.Tensor | None]) -> None:
+    """Buffers a kernel writes must not share memory with each other or with its inputs.
+
+    Raises:
+        ValueError: naming the two arguments.
+    """
+    outs = [(n, t) for n, t in outputs.items() if t is not None]
+    ins = [(n, t) for n, t in inputs.items() if t is not None]
+    for i, (a, ta) in enumerate(outs):
+        for b, tb in outs[i + 1:] + ins:
+            if shares_memory(ta, tb):
+                raise ValueError(f"{a} shares memory with {b}: a buffer the kernel writes must not overlap its other "
+                                 f"outputs or inputs ({a}: {describe(ta)}; {b}: {describe(tb)})")
 
 
 def require_kernel_tensor(name: str, x: torch.Tensor) -> None:
@@ -132,11 +266,14 @@ def validate_sparse_mla_args(
 
     Raises:
         TypeError: a non-tensor argument, a dtype outside ``allowed_dtypes`` for q/kv,
-            q and kv of different dtypes, non-int32 indices / topk_length / cu_seqlens_q.
+            q and kv of different dtypes, non-int32 indices / topk_length / cu_seqlens_q; an
+            sm_scale that is not a real number (a bool, a string, a tensor), a d_v that is not an
+            int, a check that is not a bool.
         ValueError: shape mismatches, D_qk not in {512, 576}, d_v not 512, a last dim that is
             not contiguous, tensors on different devices, a non-finite sm_scale; with
             ``check=True`` also out-of-range or duplicate valid indices, a topk_length outside
-            [0, K], and cu_seqlens_q that do not run from 0 to T non-decreasing.
+            [0, K], cu_seqlens_q that do not run from 0 to T non-decreasing, and a NaN / inf in a
+            kv row that some query selects (``check_contents``).
     """
     q = _require_tensor("q", q)
     kv = _require_tensor("kv", kv)
@@ -163,8 +300,9 @@ def validate_sparse_mla_args(
         raise ValueError(f"kv must be [N, D_qk] with D_qk = {D} (the last dim of q), got shape {tuple(kv.shape)}")
     if kv.stride(-1) != 1:
         raise ValueError(f"kv must be contiguous in its last dim (stride 1), got strides {kv.stride()}")
-    if d_v not in SUPPORTED_D_V:
+    if require_int("d_v", d_v) not in SUPPORTED_D_V:
         raise ValueError(f"d_v must be one of {SUPPORTED_D_V} (kv_lora_rank; V is the first d_v columns of kv), got {d_v}")
+    d_v = int(d_v)
 
     _require_same_device("indices", indices, q)
     _require_int32("indices", indices, "[T, K] or [T, 1, K]")
@@ -194,10 +332,10 @@ def validate_sparse_mla_args(
             raise ValueError(f"cu_seqlens_q must be [B + 1] with B >= 1 requests, got shape {tuple(cu_seqlens_q.shape)}")
         cu_seqlens_q = cu_seqlens_q.contiguous()
 
-    if not isinstance(sm_scale, (int, float)) or not (float(sm_scale) == float(sm_scale)) or abs(float(sm_scale)) == float("inf"):
-        raise ValueError(f"sm_scale must be a finite float (the softmax scale), got {sm_scale!r}")
+    sm_scale = require_finite_float("sm_scale", sm_scale, " (the softmax scale)")
+    require_bool("check", check)
 
-    problem = SparseMLAProblem(q, kv, indices, topk_length, cu_seqlens_q, float(sm_scale), d_v)
+    problem = SparseMLAProblem(q, kv, indices, topk_length, cu_seqlens_q, sm_scale, d_v)
     if check:
         check_contents(problem)
     return problem
@@ -224,7 +362,8 @@ def check_contents(p: SparseMLAProblem) -> None:
 
     Raises:
         ValueError: a valid (non-negative) index >= N, duplicate valid rows in one query's list,
-            topk_length outside [0, K], or cu_seqlens_q not running from 0 to T non-decreasing.
+            topk_length outside [0, K], cu_seqlens_q not running from 0 to T non-decreasing, or a
+            NaN / inf in a kv row that some query selects (``check_selected_rows_finite``).
     """
     T, K, N = p.num_tokens, p.topk, p.num_kv_rows
     idx = p.indices
@@ -244,3 +383,112 @@ def check_contents(p: SparseMLAProblem) -> None:
         cu = p.cu_seqlens_q
         if int(cu[0]) != 0 or int(cu[-1]) != T or bool((cu[1:] < cu[:-1]).any()):
             raise ValueError(f"cu_seqlens_q must run from 0 to T = {T}, non-decreasing; got {cu.tolist()}")
+    check_selected_rows_finite(p.kv, idx, valid)
+
+
+NONFINITE_CONTRACT = ('docs/DESIGN.md "Non-finite kv rows": per token, a non-finite selected row makes that query\'s '
+                      "out / lse NaN; the grouped path spreads it to every query of the group, the MHA paths to every "
+                      "query whose tile reads the row")
+
+
+def nonfinite_rows(kv: torch.Tensor, rows: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """The entries of ``rows`` (1-D int64 row ids of ``kv`` [N, D]) whose row holds a NaN or an inf,
+    ascending; reads ``chunk`` rows at a time (no full-size temporary)."""
+    bad = []
+    for r0 in range(0, rows.numel(), chunk):
+        r = rows[r0:r0 + chunk]
+        bad.append(r[~torch.isfinite(kv[r]).all(dim=1)])
+    return torch.cat(bad) if bad else rows[:0]
+
+
+def check_selected_rows_finite(kv: torch.Tensor, indices: torch.Tensor, selected: torch.Tensor,
+                               what: str = "check=True") -> None:
+    """Raise when a kv row that some query selects holds a NaN or an inf (syncs the device).
+
+    Args:
+        kv: [N, D] rows. indices: [T, K] int32 rows. selected: [T, K] bool, the entries that count
+            (valid: counted, >= 0 and < N).
+
+    Raises:
+        ValueError: naming the first such rows (up to 8), the first entry that selects one, and
+            what the non-finite row does to the result on each path.
+    """
+    if indices.numel() == 0:
+        return
+    rows = torch.unique(indices[selected].long())
+    bad = nonfinite_rows(kv, rows)
+    if bad.numel() == 0:
+        return
+    first = bad[:8].tolist()
+    more = f" and {bad.numel() - 8} more" if bad.numel() > 8 else ""
+    t, j = (int(v) for v in (selected & (indices.long() == bad[0])).nonzero()[0])
+    raise ValueError(
+        f"kv rows {first}{more} hold NaN or inf values and are selected by some query (first: indices[{t}, {j}] = "
+        f"{first[0]}); the output of a query that selects such a row is NaN ({NONFINITE_CONTRACT}) ({what})"
+    )
+
+
+def validate_fwd_buffers(
+    p: SparseMLAProblem,
+    *,
+    return_lse: bool,
+    grouped: bool,
+    group_size: int | None,
+    overlap_guard: float | None,
+    out: torch.Tensor | None,
+    lse: torch.Tensor | None,
+    workspace: object | None,
+) -> int:
+    """The options and buffers of ``sparse_mla_fwd`` beyond ``validate_sparse_mla_args``, checked before
+    any launch: types of the flags and numbers, ``out`` / ``lse`` (shape, dtype, device, layout, no
+    overlap with themselves, each other or the inputs) and the workspace (type, device, fit).
+
+    Args:
+        p: the validated problem. grouped: whether the grouped method runs (group_size and the
+            workspace's fit matter only then). The rest: as ``sparse_mla_fwd``.
+
+    Returns:
+        G, the group size the call uses (``group_size`` or ``default_group_size(H)``).
+
+    Raises:
+        TypeError: a non-bool return_lse, a non-int group_size, a non-number overlap_guard, a
+            non-tensor / wrong-dtype out or lse, a workspace that is not a ``SparseMLAWorkspace``.
+        ValueError: group_size out of range, a negative or non-finite overlap_guard, out / lse of the
+            wrong shape, device or layout or overlapping, a workspace on another device or too small.
+    """
+    from .union.triton_tl import MAX_GROUP_SIZE
+    from .workspace import SparseMLAWorkspace, default_group_size
+
+    T, H, _ = p.q.shape
+    dev = p.q.device
+    require_bool("return_lse", return_lse)
+    if group_size is not None:
+        require_int("group_size", group_size, minimum=1, maximum=MAX_GROUP_SIZE)
+    G = int(group_size) if group_size is not None else default_group_size(H)
+    if grouped and not (G == 1 or G * H <= 128):
+        raise ValueError(f"group_size must be in [1, {MAX_GROUP_SIZE}] with group_size * H <= 128 (one 128-row tile), "
+                         f"got {G} with H = {H}")
+    if overlap_guard is not None and not (not isinstance(overlap_guard, bool) and overlap_guard == -1.0):
+        g = require_finite_float("overlap_guard", overlap_guard, " >= 0 (union rows per mean list), -1 or None")
+        if g < 0:
+            raise ValueError(f"overlap_guard must be >= 0 (union rows per mean list), -1 (the default table) or None "
+                             f"(no guard), got {g}")
+    if out is not None:
+        check_tensor("out", out, dims="[T, H, d_v]", shape=(T, H, p.d_v), dtype=p.q.dtype, device=dev,
+                     layout="last_dim", writable=True)
+    if lse is not None:
+        check_tensor("lse", lse, dims="[T, H]", shape=(T, H), dtype=torch.float32, device=dev, layout="contiguous",
+                     writable=True)
+    require_disjoint({"out": out, "lse": lse},
+                     {"q": p.q, "kv": p.kv, "indices": p.indices, "topk_length": p.topk_length,
+                      "cu_seqlens_q": p.cu_seqlens_q})
+    if workspace is not None:
+        if not isinstance(workspace, SparseMLAWorkspace):
+            raise TypeError(f"workspace must be a SparseMLAWorkspace or None, got {describe(workspace)}")
+        if workspace.route.device != dev:
+            raise ValueError(f"workspace must be on q's device {dev}, got a workspace on {workspace.route.device}")
+        if grouped:
+            ok, why = workspace.fits(T, p.topk, G, p.num_kv_rows)
+            if not ok:
+                raise ValueError(f"workspace does not fit this call: {why} (SparseMLAWorkspace.for_problem sizes one)")
+    return G

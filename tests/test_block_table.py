@@ -166,6 +166,64 @@ def test_convert_strided_inputs_and_out():
     check_row_meaning(b, out)
 
 
+STRIDE_LAYOUTS = ["req_id-strided", "req_id-expanded", "valid_counts-strided", "everything-strided"]
+
+
+@pytest.mark.parametrize("layout", STRIDE_LAYOUTS)
+def test_convert_honours_req_id_and_valid_counts_strides(layout):
+    """req_id as a strided view (other requests' ids in the gaps), as a stride-0 expanded view of one id
+    (the storage after it holds another id), and valid_counts as a strided view: the kernel must read and
+    write through the strides, and leave the gaps of valid_counts alone."""
+    if layout == "req_id-expanded":  # every token of request 1
+        b = make_paged_batch([20, 90], [0, 6], 16, 24)
+    else:
+        b = make_paged_batch([37, 90, 16], [3, 4, 1], 16, 24)
+    T, B = b.req_id.shape[0], b.block_table.shape[0]
+    req_id, counts_big = b.req_id, None
+    if layout in ("req_id-strided", "everything-strided"):
+        big = ((b.req_id[:, None] + torch.arange(1, 4, device=DEVICE, dtype=torch.int32)) % B).to(torch.int32)
+        big[:, 1] = b.req_id  # neighbours: valid ids of other requests
+        req_id = big[:, 1]
+        assert req_id.stride() == (3,)
+    elif layout == "req_id-expanded":
+        storage = torch.tensor([1] + [0] * (T + 4), dtype=torch.int32, device=DEVICE)  # request 0 right after it
+        req_id = storage[:1].expand(T)
+        assert req_id.stride() == (0,) and torch.equal(req_id, b.req_id)
+    counts = None
+    if layout in ("valid_counts-strided", "everything-strided"):
+        counts_big = torch.full((T, 2), 777777, dtype=torch.int32, device=DEVICE)
+        counts = counts_big[:, 0]
+    topk = b.topk_local if layout != "everything-strided" else b.topk_local.t().contiguous().t()
+    out, got_counts = convert_req_index_to_global(req_id, b.block_table, topk, b.block_size,
+                                                  kv_block_stride_rows=b.rows_per_block_stride,
+                                                  return_valid_counts=True, valid_counts=counts)
+    ref, ref_counts = convert_req_index_to_global_ref(b.req_id, b.block_table, b.topk_local, b.block_size,
+                                                      kv_block_stride_rows=b.rows_per_block_stride)
+    assert torch.equal(out, ref), f"{(out != ref).sum().item()} entries differ (req_id read without its stride?)"
+    assert torch.equal(got_counts, ref_counts)
+    check_row_meaning(b, out)
+    if counts_big is not None:
+        assert got_counts.data_ptr() == counts.data_ptr()
+        assert torch.all(counts_big[:, 1] == 777777), "valid_counts written into the gaps of its strided view"
+
+
+def test_convert_refuses_overlapping_outputs():
+    """Buffers the kernel writes: every element its own memory, no overlap with each other or an input."""
+    req_id, table, topk = _args()
+    T, K = topk.shape
+    cases = [
+        ({"out": torch.empty(1, K, dtype=torch.int32, device=DEVICE).expand(T, K)}, "out must be"),
+        ({"valid_counts": torch.empty(1, dtype=torch.int32, device=DEVICE).expand(T)}, "valid_counts must be"),
+        ({"out": topk}, "out shares memory with topk_local"),
+        ({"out": (buf := torch.empty(T, K + 1, dtype=torch.int32, device=DEVICE))[:, :K], "valid_counts": buf[:, K]},
+         "out shares memory with valid_counts"),
+        ({"valid_counts": req_id}, "valid_counts shares memory with req_id"),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            convert_req_index_to_global(req_id, table, topk, 16, **kw)
+
+
 def test_convert_num_kv_rows_bound_and_empty():
     b = make_paged_batch([48], [2], 16, 16, spare_blocks=0)
     bound = int(b.rows.shape[0]) - 16  # the last physical block's rows are out of range
@@ -189,18 +247,25 @@ ERRORS = [
     ("rows-mismatch-full-batch-req-id", lambda r, t, k: (torch.zeros(9, dtype=torch.int32, device=DEVICE), t, k, {}),
      ValueError, "token rows"),
     ("rows-mismatch-short-req-id", lambda r, t, k: (r[:2], t, k, {}), ValueError, "token rows"),
-    ("req-id-int64", lambda r, t, k: (r.long(), t, k, {}), TypeError, "req_id must be int32"),
+    ("req-id-int64", lambda r, t, k: (r.long(), t, k, {}), TypeError, r"req_id must be \[T\] int32.*got dtype torch.int64"),
     ("req-id-2d", lambda r, t, k: (r[:, None], t, k, {}), ValueError, r"req_id must be \[T\]"),
     ("req-id-not-tensor", lambda r, t, k: ([0, 0, 0, 0], t, k, {}), TypeError, "req_id must be a torch.Tensor"),
-    ("block-table-int64", lambda r, t, k: (r, t.long(), k, {}), TypeError, "block_table must be int32"),
+    ("block-table-int64", lambda r, t, k: (r, t.long(), k, {}), TypeError, "block_table must be .* int32.*got dtype"),
     ("block-table-1d", lambda r, t, k: (r, t[0], k, {}), ValueError, "block_table must be"),
     ("topk-3d", lambda r, t, k: (r, t, k[:, None], {}), ValueError, "topk_local must be"),
     ("block-size-0", lambda r, t, k: (r, t, k, {"block_size": 0}), ValueError, "block_size"),
+    ("block-size-float", lambda r, t, k: (r, t, k, {"block_size": 16.0}), TypeError, "block_size must be an int, got float"),
+    ("block-size-bool", lambda r, t, k: (r, t, k, {"block_size": True}), TypeError, "block_size must be an int, got bool"),
+    ("num-kv-rows-float", lambda r, t, k: (r, t, k, {"num_kv_rows": 1e6}), TypeError, "num_kv_rows must be an int"),
     ("stride-lt-block-size", lambda r, t, k: (r, t, k, {"kv_block_stride_rows": 8}), ValueError, "kv_block_stride_rows"),
     ("out-wrong-shape", lambda r, t, k: (r, t, k, {"out": torch.empty(4, 7, dtype=torch.int32, device=DEVICE)}),
      ValueError, "out must be"),
     ("out-int64", lambda r, t, k: (r, t, k, {"out": torch.empty(4, 8, dtype=torch.int64, device=DEVICE)}),
-     TypeError, "out must be int32"),
+     TypeError, r"out must be \[T, K\] = \[4, 8\] int32.*got dtype torch.int64"),
+    ("out-other-device", lambda r, t, k: (r, t, k, {"out": torch.empty(4, 8, dtype=torch.int32, device="meta")}),
+     ValueError, "out must be .* on .*got a tensor on meta"),
+    ("return-valid-counts-int", lambda r, t, k: (r, t, k, {"return_valid_counts": 1}), TypeError,
+     "return_valid_counts must be a bool"),
     ("valid-counts-wrong-shape", lambda r, t, k: (r, t, k, {"valid_counts": torch.empty(3, dtype=torch.int32, device=DEVICE)}),
      ValueError, "valid_counts must be"),
 ]
@@ -212,7 +277,8 @@ def test_convert_rejects_bad_input(mutate, exc, msg):
     bs = kw.pop("block_size", 16)
     with pytest.raises(exc, match=msg):
         convert_req_index_to_global(req_id, table, topk, bs, **kw)
-    if not {"out", "valid_counts"} & kw.keys():  # the reference checks the same arguments (it has no outputs)
+    if not {"out", "valid_counts", "return_valid_counts"} & kw.keys():  # the reference checks the same arguments
+        # (it has no outputs)
         with pytest.raises(exc, match=msg):
             convert_req_index_to_global_ref(req_id, table, topk, bs, **kw)
 

@@ -29,6 +29,8 @@ import os
 
 import torch
 
+from ..validation import check_tensor, require_bool, require_disjoint, require_int
+
 INT32_MAX = 2**31 - 1
 
 
@@ -75,24 +77,15 @@ def paged_kv_as_rows(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def _check_int32(name: str, x: object, shape_doc: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor ({shape_doc} int32), got {type(x).__name__}")
-    if x.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32 {shape_doc}, got dtype {x.dtype}")
-    return x
-
-
-def _check_positive_int(name: str, x: object) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or x < 1:
-        raise ValueError(f"{name} must be a positive int, got {x!r}")
-    return x
+    return check_tensor(name, x, dims=shape_doc, dtype=torch.int32)
 
 
 def validate_convert_args(
     req_id: torch.Tensor, block_table: torch.Tensor, topk_local: torch.Tensor, block_size: int,
     kv_block_stride_rows: int | None, num_kv_rows: int | None,
 ) -> tuple[int, int]:
-    """Check the arguments of ``convert_req_index_to_global`` (no device sync).
+    """Check the arguments of ``convert_req_index_to_global`` (no device sync). Every tensor may have
+    any strides (the kernel reads through them, a stride-0 ``req_id`` included).
 
     Returns:
         (rows_per_block_stride, num_kv_rows bound) as used by the kernel.
@@ -104,32 +97,32 @@ def validate_convert_args(
     block_table = _check_int32("block_table", block_table, "[B, max_blocks]")
     topk_local = _check_int32("topk_local", topk_local, "[T, K]")
     if req_id.dim() != 1:
-        raise ValueError(f"req_id must be [T] (one request id per token row), got shape {tuple(req_id.shape)}")
+        raise ValueError(f"req_id must be [T] (one request id per token row), got shape {list(req_id.shape)}")
     if block_table.dim() != 2:
-        raise ValueError(f"block_table must be [B, max_blocks], got shape {tuple(block_table.shape)}")
+        raise ValueError(f"block_table must be [B, max_blocks], got shape {list(block_table.shape)}")
     if topk_local.dim() != 2:
-        raise ValueError(f"topk_local must be [T, K], got shape {tuple(topk_local.shape)}")
+        raise ValueError(f"topk_local must be [T, K], got shape {list(topk_local.shape)}")
     if topk_local.shape[0] != req_id.shape[0]:
         raise ValueError(
             f"topk_local has {topk_local.shape[0]} token rows but req_id has {req_id.shape[0]}: they must match "
             "(pass the req_id slice of the same tokens, e.g. the decode-only or prefill-only part of the batch)"
         )
     if topk_local.shape[1] < 1:
-        raise ValueError(f"topk_local must have K >= 1 entries per row, got shape {tuple(topk_local.shape)}")
+        raise ValueError(f"topk_local must have K >= 1 entries per row, got shape {list(topk_local.shape)}")
     for name, t in (("req_id", req_id), ("block_table", block_table)):
         if t.device != topk_local.device:
             raise ValueError(f"{name} is on {t.device} but topk_local is on {topk_local.device}; all must share one device")
-    block_size = _check_positive_int("block_size", block_size)
+    block_size = require_int("block_size", block_size, minimum=1)
     if kv_block_stride_rows is None:
         stride_rows = block_size
     else:
-        stride_rows = _check_positive_int("kv_block_stride_rows", kv_block_stride_rows)
+        stride_rows = require_int("kv_block_stride_rows", kv_block_stride_rows, minimum=1)
         if stride_rows < block_size:
             raise ValueError(f"kv_block_stride_rows ({stride_rows}) must be >= block_size ({block_size}): blocks would overlap")
     if num_kv_rows is None:
         bound = INT32_MAX
     else:
-        bound = min(_check_positive_int("num_kv_rows", num_kv_rows), INT32_MAX)
+        bound = min(require_int("num_kv_rows", num_kv_rows, minimum=1), INT32_MAX)
     return stride_rows, bound
 
 
@@ -166,7 +159,8 @@ def convert_req_index_to_global(
 
     Args:
         req_id: [T] int32, the request (block-table row) of each token row; same device as
-            topk_local. Any value outside [0, B) marks a padded row (all outputs -1).
+            topk_local, any stride (a stride-0 expanded view gives every row one request). Any value
+            outside [0, B) marks a padded row (all outputs -1).
         block_table: [B, max_blocks] int32 physical block ids per request; negative = none. Any strides.
         topk_local: [T, K] int32 request-local positions (0-based within the request), -1 = padding.
             CUDA (or CPU under TRITON_INTERPRET=1). Any strides.
@@ -176,45 +170,45 @@ def convert_req_index_to_global(
             contiguous paged cache). Must be >= block_size.
         num_kv_rows: optional N of the row view; rows >= N become -1 (default: 2**31 - 1, so the
             int32 output never overflows).
-        out: optional [T, K] int32 output on topk_local's device (any strides); allocated when None.
+        out: optional [T, K] int32 output on topk_local's device (any strides, but no two elements
+            sharing memory, and not overlapping an input or valid_counts); allocated when None.
         return_valid_counts: also return ``valid_counts`` [T] int32, the number of non -1 entries
             of each output row (vLLM's meaning). It equals ``sparse_mla_fwd``'s ``topk_length`` only
             when each row's valid entries come first (the usual indexer layout); passing it as
             topk_length otherwise drops valid entries, so pass ``topk_length=None`` then.
-        valid_counts: optional preallocated [T] int32 for the counts (written whenever given;
-            allocated when None and return_valid_counts).
+        valid_counts: optional preallocated [T] int32 for the counts (any stride, its own memory;
+            written whenever given; allocated when None and return_valid_counts).
 
     Returns:
         out [T, K] int32 global rows (-1 = padding), or (out, valid_counts) with return_valid_counts.
 
     Raises:
-        TypeError: a non-tensor or non-int32 req_id / block_table / topk_local / out / valid_counts.
+        TypeError: a non-tensor or non-int32 req_id / block_table / topk_local / out / valid_counts;
+            block_size / kv_block_stride_rows / num_kv_rows that are not ints (a bool or a float is
+            refused); a non-bool return_valid_counts.
         ValueError: req_id not [T], block_table not 2-D, topk_local not [T, K], a token-row count of
             topk_local that differs from req_id's, tensors on different devices, block_size /
-            kv_block_stride_rows / num_kv_rows not positive ints, kv_block_stride_rows < block_size,
-            a wrong out / valid_counts shape or device, or a device the kernel cannot run on. All
-            before any launch.
+            kv_block_stride_rows / num_kv_rows < 1, kv_block_stride_rows < block_size, a wrong out /
+            valid_counts shape or device, an out / valid_counts whose elements share memory (an
+            expanded view) or that overlaps an input or the other output, or a device the kernel
+            cannot run on. All before any launch.
     """
     stride_rows, bound = validate_convert_args(req_id, block_table, topk_local, block_size, kv_block_stride_rows, num_kv_rows)
+    require_bool("return_valid_counts", return_valid_counts)
     T, K = topk_local.shape
-    if out is None:
-        out = torch.empty(T, K, dtype=torch.int32, device=topk_local.device)
-    else:
-        _check_int32("out", out, "[T, K]")
-        if out.shape != (T, K) or out.device != topk_local.device:
-            raise ValueError(
-                f"out must be [T, K] = [{T}, {K}] int32 on {topk_local.device}, got {tuple(out.shape)} on {out.device}"
-            )
-    counts = valid_counts
-    if counts is not None:
-        _check_int32("valid_counts", counts, "[T]")
-        if counts.shape != (T,) or counts.device != topk_local.device:
-            raise ValueError(
-                f"valid_counts must be [T] = [{T}] int32 on {topk_local.device}, got {tuple(counts.shape)} on {counts.device}"
-            )
-    elif return_valid_counts:
-        counts = torch.empty(T, dtype=torch.int32, device=topk_local.device)
+    dev = topk_local.device
+    if out is not None:
+        check_tensor("out", out, dims="[T, K]", shape=(T, K), dtype=torch.int32, device=dev, writable=True)
+    if valid_counts is not None:
+        check_tensor("valid_counts", valid_counts, dims="[T]", shape=(T,), dtype=torch.int32, device=dev, writable=True)
+    require_disjoint({"out": out, "valid_counts": valid_counts},
+                     {"req_id": req_id, "block_table": block_table, "topk_local": topk_local})
     _require_kernel_device(topk_local)
+    if out is None:
+        out = torch.empty(T, K, dtype=torch.int32, device=dev)
+    counts = valid_counts
+    if counts is None and return_valid_counts:
+        counts = torch.empty(T, dtype=torch.int32, device=dev)
     from ..kernels.index_convert import convert_req_index
 
     convert_req_index(req_id, block_table, topk_local, out, counts, block_size, stride_rows, bound)

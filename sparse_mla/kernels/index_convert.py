@@ -26,17 +26,17 @@ import triton.language as tl
 
 
 @triton.jit(do_not_specialize=[
-    "stride_bt0", "stride_bt1", "stride_tk0", "stride_tk1", "stride_out0", "stride_out1",
+    "stride_req", "stride_bt0", "stride_bt1", "stride_tk0", "stride_tk1", "stride_out0", "stride_out1", "stride_cnt",
     "num_reqs", "max_blocks", "K", "rows_per_block_stride", "num_kv_rows",
 ])
 def _convert_req_index_kernel(
     REQ_ID, BLOCK_TABLE, TOPK, OUT, COUNTS,
-    stride_bt0, stride_bt1, stride_tk0, stride_tk1, stride_out0, stride_out1,
+    stride_req, stride_bt0, stride_bt1, stride_tk0, stride_tk1, stride_out0, stride_out1, stride_cnt,
     num_reqs, max_blocks, K, rows_per_block_stride, num_kv_rows,
     BLOCK_SIZE: tl.constexpr, BLOCK_K: tl.constexpr, HAS_COUNTS: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    req = tl.zeros([BLOCK_K], tl.int32) + tl.load(REQ_ID + t)  # as a vector: the interpreter rejects scalar & vector masks
+    req = tl.zeros([BLOCK_K], tl.int32) + tl.load(REQ_ID + t * stride_req)  # as a vector: the interpreter rejects scalar & vector masks
     req_ok = (req >= 0) & (req < num_reqs)
     bt_row = BLOCK_TABLE + tl.where(req_ok, req, 0).to(tl.int64) * stride_bt0
     count = tl.zeros([BLOCK_K], tl.int32)
@@ -56,7 +56,7 @@ def _convert_req_index_kernel(
                  tl.where(ok, row, -1).to(tl.int32), mask=in_row)
         count += ok.to(tl.int32)
     if HAS_COUNTS:
-        tl.store(COUNTS + t, tl.sum(count, 0))
+        tl.store(COUNTS + t * stride_cnt, tl.sum(count, 0))
 
 
 def block_k_for_topk(topk: int) -> int:
@@ -71,7 +71,9 @@ def convert_req_index(
     """Launch the conversion on validated tensors (``convert_req_index_to_global`` checks them).
 
     req_id [T] int32, block_table [B, max_blocks] int32, topk_local [T, K] int32, out [T, K] int32
-    (written), counts [T] int32 or None (written), all on one device; any strides.
+    (written), counts [T] int32 or None (written), all on one device; any strides (a stride-0
+    ``req_id`` reads one id for every row). The outputs must not overlap themselves or the inputs
+    (``convert_req_index_to_global`` refuses such views).
     """
     T, K = topk_local.shape
     if T == 0:
@@ -80,8 +82,8 @@ def convert_req_index(
     block_k = block_k_for_topk(K)
     _convert_req_index_kernel[(T,)](
         req_id, block_table, topk_local, out, counts,
-        block_table.stride(0), block_table.stride(1), topk_local.stride(0), topk_local.stride(1),
-        out.stride(0), out.stride(1),
+        req_id.stride(0), block_table.stride(0), block_table.stride(1), topk_local.stride(0), topk_local.stride(1),
+        out.stride(0), out.stride(1), counts.stride(0) if counts is not None else 0,
         B, max_blocks, K, rows_per_block_stride, num_kv_rows,
         BLOCK_SIZE=block_size, BLOCK_K=block_k, HAS_COUNTS=counts is not None,
         num_warps=4 if block_k >= 512 else 2,
