@@ -32,6 +32,7 @@ import triton
 
 from ..interface import sparse_mla_fwd
 from ..kernels import index_convert
+from ..mqa import gluon_sm90
 from ..mqa import triton_tl as sparse_mqa
 from ..union import backends as union_backends
 from ..union import cuda_smem as union_cuda_smem
@@ -43,13 +44,19 @@ from .block_table import convert_req_index_to_global
 
 
 def warmed_kernels() -> dict[str, object]:
-    """The Triton kernels ``warmup`` covers, by name (JITFunction, or InterpretedFunction on CPU)."""
-    return {
+    """The Triton and Gluon kernels ``warmup`` covers, by name (JITFunction, or InterpretedFunction on CPU).
+    The Gluon sm_90 kernels are listed where this Triton can define them; warmup reaches them through
+    ``sparse_mla_fwd`` on a device where ``sparse_mla.mqa.backends`` selects them."""
+    kernels = {
         "sparse_mqa": sparse_mqa._sparse_mqa_fwd_kernel,
         "plan_groups": union._plan_groups_kernel,
         "build_union": union._build_union_kernel,
         "convert_req_index": index_convert._convert_req_index_kernel,
     }
+    if gluon_sm90.GLUON_IMPORT_ERROR is None:
+        kernels["sparse_mqa_sm90"] = gluon_sm90.sparse_mqa_sm90_kernel
+        kernels["sparse_mqa_sm90_pair"] = gluon_sm90.sparse_mqa_sm90_pair_kernel
+    return kernels
 
 
 def compiled_variant_counts() -> dict[str, int]:
