@@ -294,6 +294,75 @@ def test_masked_mha_cpu_tensors_need_the_interpreter(monkeypatch):
         masked_mha.masked_mha_fwd(*_masked_mha_args(torch.float16))
 
 
+def _masked_set(i, make):
+    """A masked-MHA call with argument i replaced by make(args)."""
+    def mutate(args):
+        args = list(args)
+        args[i] = make(args)
+        return args
+    return mutate
+
+
+# masked_mha_fwd argument positions: q_nope 0, q_pe 1, k_nope 2, k_pe 3, v 4, words 5, plan 6, sm_scale 7, out 8
+MASKED_CASES = [
+    pytest.param(_masked_set(0, lambda a: a[0][:, :, :16]), ValueError, r"k_nope must be \[L, H, qk_nope\] = \[L, 2, 16\]",
+                 id="q_nope-k_nope-dims-differ"),
+    pytest.param(_masked_set(1, lambda a: None), ValueError, "q_pe and k_pe must both", id="q_pe-without-k_pe"),
+    pytest.param(_masked_set(2, lambda a: a[2].float()), TypeError, r"k_nope must be .*float16.*got dtype torch.float32",
+                 id="k_nope-fp32"),
+    pytest.param(_masked_set(4, lambda a: torch.cat([a[4], a[4]], -1)[..., ::2]), ValueError, r"v must be .*last dim contiguous",
+                 id="v-last-dim-strided"),
+    pytest.param(_masked_set(4, lambda a: a[4][:-1]), ValueError, r"v must be \[L, H, v_head_dim\] = \[8, 2", id="v-rows"),
+    pytest.param(_masked_set(3, lambda a: a[3][:, :8]), ValueError, r"k_pe must be \[N, qk_rope\] = \[N, 16\]",
+                 id="k_pe-width"),
+    pytest.param(_masked_set(5, lambda a: a[5].long()), TypeError, "words must be .*int32", id="words-int64"),
+    pytest.param(_masked_set(5, lambda a: a[5][:0]), ValueError, "words must be 1-D with at least", id="words-short"),
+    pytest.param(_masked_set(6, lambda a: "plan"), TypeError, "plan must be a MaskedMHAPlan", id="plan-not-a-plan"),
+    pytest.param(_masked_set(6, lambda a: masked_mha.plan_masked_mha([5], [2], [0], [0], 16, "cpu")), ValueError,
+                 "plan must be for the T = 3 tokens", id="plan-other-T"),
+    pytest.param(_masked_set(7, lambda a: True), TypeError, "sm_scale must be a finite float, got bool", id="sm_scale-bool"),
+    pytest.param(_masked_set(8, lambda a: a[8][:, :1]), ValueError, r"out must be \[T, H, v_head_dim\] = \[3, 2, 32\]",
+                 id="out-shape"),
+    pytest.param(_masked_set(8, lambda a: a[8][:1].expand(3, 2, 32)), ValueError, "its own memory", id="out-expanded"),
+    pytest.param(_masked_set(8, lambda a: a[4][:3]), ValueError, "out shares memory with v", id="out-aliases-v"),
+]
+
+
+@pytest.mark.parametrize("mutate, error, match", MASKED_CASES)
+def test_masked_mha_bad_arguments_raise_before_launch(mutate, error, match, monkeypatch):
+    """masked_mha_fwd checks every argument (shape, dtype, device, layout, overlap) before its launch."""
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("the masked-MHA kernel was launched before the input error was raised")
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(masked_mha, "_masked_mha_fwd_kernel", NoLaunch())
+    with pytest.raises(error, match=match):
+        masked_mha.masked_mha_fwd(*mutate(_masked_mha_args(torch.float16)))
+
+
+def test_key_bitmask_honours_strides_and_checks_arguments():
+    """build_key_bitmask reads indices / topk_length through their strides (a transposed indices, a strided
+    topk_length give the masks of the contiguous copies) and names a bad argument."""
+    plan = masked_mha.plan_masked_mha([5, 0], [3, 4], [0, 8], [0, 8], 16, DEVICE)
+    g = torch.Generator().manual_seed(5)
+    idx = torch.randint(-2, 14, (7, 6), generator=g, dtype=torch.int32).to(DEVICE)
+    tl_ = torch.tensor([6, 2, 0, 6, 3, 6, 1], dtype=torch.int32, device=DEVICE)
+    want = masked_mha.build_key_bitmask(idx, tl_, plan)
+    idx_t = idx.t().contiguous().t()
+    tl_strided = torch.stack([tl_, tl_ + 100], 1)[:, 0]
+    got = masked_mha.build_key_bitmask(idx_t, tl_strided, plan)
+    assert idx_t.stride(1) != 1 and tl_strided.stride(0) == 2
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match=r"indices must be \[T, K\] with T = 7"):
+        masked_mha.build_key_bitmask(idx[:3], None, plan)
+    with pytest.raises(TypeError, match="topk_length must be .*int32"):
+        masked_mha.build_key_bitmask(idx, tl_.long(), plan)
+    with pytest.raises(ValueError, match="out must be .*contiguous"):
+        masked_mha.build_key_bitmask(idx, None, plan, out=torch.zeros(2 * plan.total_words, dtype=torch.int32,
+                                                                      device=DEVICE)[::2])
+
+
 @pytest.mark.parametrize("call, error, match", [
     pytest.param(lambda i: build_group_union(i.long(), 2), TypeError, "indices", id="indices-int64"),
     pytest.param(lambda i: build_group_union(i.tolist(), 2), TypeError, "indices", id="indices-not-a-tensor"),

@@ -30,7 +30,14 @@ import triton
 import triton.language as tl
 
 from ..host import to_device_async
-from ..validation import require_kernel_tensor
+from ..validation import (
+    KERNEL_DTYPES,
+    check_tensor,
+    require_disjoint,
+    require_finite_float,
+    require_int,
+    require_kernel_tensor,
+)
 
 LOG2E = 1.4426950408889634
 META_COLS = 8  # q_start, q_len, pos0, kv_start, kpe_row0, word_base, n_words, request
@@ -38,16 +45,16 @@ META_COLS = 8  # q_start, q_len, pos0, kv_start, kpe_row0, word_base, n_words, r
 
 @triton.jit
 def _key_bitmask_kernel(
-    IDX, TOPK_LEN, TOK_LO, TOK_WIN, TOK_WBASE, WORDS, stride_it, K,
+    IDX, TOPK_LEN, TOK_LO, TOK_WIN, TOK_WBASE, WORDS, stride_it, stride_ik, stride_tl, K,
     HAS_TOPK_LEN: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     n_end = K
     if HAS_TOPK_LEN:
-        n_end = tl.minimum(tl.maximum(tl.load(TOPK_LEN + t), 0), K)
+        n_end = tl.minimum(tl.maximum(tl.load(TOPK_LEN + t.to(tl.int64) * stride_tl), 0), K)
     in_list = offs < n_end
-    idx = tl.load(IDX + t.to(tl.int64) * stride_it + offs, mask=in_list, other=-1)
+    idx = tl.load(IDX + t.to(tl.int64) * stride_it + offs.to(tl.int64) * stride_ik, mask=in_list, other=-1)
     lo = tl.load(TOK_LO + t)
     win = tl.load(TOK_WIN + t)
     pos = idx.to(tl.int64) - lo
@@ -226,19 +233,40 @@ def build_key_bitmask(indices: torch.Tensor, topk_length: torch.Tensor | None, p
     """Packed per-query key masks from the top-k lists (Triton scatter with atomic OR).
 
     Args:
-        indices: [T, K] int32 global rows, last dim contiguous; entries < 0, past topk_length or
-            outside the token's causal window are ignored.
-        topk_length: optional [T] int32.
-        plan: from ``plan_masked_mha`` (T tokens).
-        out: optional [>= plan.total_words] int32 buffer (overwritten).
+        indices: [T, K] int32 global rows, any strides; entries < 0, past topk_length or outside
+            the token's causal window are ignored.
+        topk_length: optional [T] int32, any stride.
+        plan: from ``plan_masked_mha`` (T tokens), on indices' device.
+        out: optional contiguous [>= plan.total_words] int32 buffer (overwritten).
 
     Returns:
         [plan.total_words] int32: token t's row starts at ``plan.tok_wbase[t]``; bit j % 32 of its
         word j // 32 is set iff request-local position j is in t's list.
+
+    Raises:
+        TypeError, ValueError: a wrong type, dtype, shape, device or layout of an argument (named),
+            before the launch.
     """
-    T, K = indices.shape
+    if not isinstance(plan, MaskedMHAPlan):
+        raise TypeError(f"plan must be a MaskedMHAPlan (plan_masked_mha), got {type(plan).__name__}")
+    T = plan.num_tokens
+    indices = check_tensor("indices", indices, dims="[T, K]", dtype=torch.int32)
+    if indices.dim() != 2 or indices.shape[0] != T or indices.shape[1] < 1:
+        raise ValueError(f"indices must be [T, K] with T = {T} (the plan's tokens) and K >= 1, got shape {list(indices.shape)}")
+    dev = indices.device
+    if plan.tok_lo.device != dev:
+        raise ValueError(f"plan is on {plan.tok_lo.device} but indices is on {dev}; build the plan on indices' device")
+    if topk_length is not None:
+        check_tensor("topk_length", topk_length, dims="[T]", shape=(T,), dtype=torch.int32, device=dev)
+    if out is not None:
+        check_tensor("out", out, dims="[>= plan.total_words]", dtype=torch.int32, device=dev, layout="contiguous")
+        if out.dim() != 1 or out.numel() < plan.total_words:
+            raise ValueError(f"out must be 1-D with at least plan.total_words = {plan.total_words} int32 words, "
+                             f"got shape {list(out.shape)}")
+    require_kernel_tensor("indices", indices)
+    K = indices.shape[1]
     if out is None:
-        out = torch.zeros(max(plan.total_words, 1), dtype=torch.int32, device=indices.device)
+        out = torch.zeros(max(plan.total_words, 1), dtype=torch.int32, device=dev)
     else:
         out[: plan.total_words].zero_()
     if T == 0:
@@ -246,7 +274,8 @@ def build_key_bitmask(indices: torch.Tensor, topk_length: torch.Tensor | None, p
     block_k = min(1024, triton.next_power_of_2(K))
     _key_bitmask_kernel[(T, triton.cdiv(K, block_k))](
         indices, topk_length if topk_length is not None else indices, plan.tok_lo, plan.tok_win, plan.tok_wbase, out,
-        indices.stride(0), K, HAS_TOPK_LEN=topk_length is not None, BLOCK_K=block_k,
+        indices.stride(0), indices.stride(1), topk_length.stride(0) if topk_length is not None else 0, K,
+        HAS_TOPK_LEN=topk_length is not None, BLOCK_K=block_k,
     )
     return out
 
@@ -303,25 +332,69 @@ def default_config(d_qk: int, d_v: int, device_type: str = "cuda") -> tuple[int,
     return 64, 64, (8 if wide else 4), 2
 
 
+def _check_masked_mha_args(q_nope, q_pe, k_nope, k_pe, v, words, plan, out, tile_counts) -> None:
+    """Shapes, dtypes, devices and layouts of ``masked_mha_fwd``'s tensors (see its docstring)."""
+    check_tensor("q_nope", q_nope, dims="[T, H, qk_nope]", dtype=KERNEL_DTYPES, layout="last_dim")
+    if q_nope.dim() != 3:
+        raise ValueError(f"q_nope must be [T, H, qk_nope], got shape {list(q_nope.shape)}")
+    T, H, d_nope = q_nope.shape
+    dt, dev = q_nope.dtype, q_nope.device
+    if not isinstance(plan, MaskedMHAPlan):
+        raise TypeError(f"plan must be a MaskedMHAPlan (plan_masked_mha), got {type(plan).__name__}")
+    if plan.num_tokens != T or plan.block_meta.device != dev:
+        raise ValueError(f"plan must be for the T = {T} tokens of q_nope on {dev}, got a plan for {plan.num_tokens} "
+                         f"tokens on {plan.block_meta.device}")
+    if (q_pe is None) != (k_pe is None):
+        raise ValueError(f"q_pe and k_pe must both be given (a rope part) or both be None (NoPE), got q_pe "
+                         f"{'None' if q_pe is None else 'a tensor'} and k_pe {'None' if k_pe is None else 'a tensor'}")
+    if q_pe is not None:
+        check_tensor("q_pe", q_pe, dims="[T, H, qk_rope]", dtype=dt, device=dev, layout="last_dim")
+        if q_pe.dim() != 3 or q_pe.shape[:2] != (T, H) or q_pe.shape[2] < 1:
+            raise ValueError(f"q_pe must be [T, H, qk_rope] = [{T}, {H}, >= 1], got shape {list(q_pe.shape)}")
+        check_tensor("k_pe", k_pe, dims=f"[N, qk_rope = {q_pe.shape[2]}]", dtype=dt, device=dev, layout="last_dim")
+        if k_pe.dim() != 2 or k_pe.shape[1] != q_pe.shape[2]:
+            raise ValueError(f"k_pe must be [N, qk_rope] = [N, {q_pe.shape[2]}], got shape {list(k_pe.shape)}")
+    check_tensor("k_nope", k_nope, dims="[L, H, qk_nope]", dtype=dt, device=dev, layout="last_dim")
+    if k_nope.dim() != 3 or k_nope.shape[1:] != (H, d_nope):
+        raise ValueError(f"k_nope must be [L, H, qk_nope] = [L, {H}, {d_nope}], got shape {list(k_nope.shape)}")
+    check_tensor("v", v, dims="[L, H, v_head_dim]", dtype=dt, device=dev, layout="last_dim")
+    if v.dim() != 3 or v.shape[:2] != (k_nope.shape[0], H):
+        raise ValueError(f"v must be [L, H, v_head_dim] = [{k_nope.shape[0]}, {H}, *] (k_nope's rows), got shape "
+                         f"{list(v.shape)}")
+    check_tensor("words", words, dims="[>= plan.total_words]", dtype=torch.int32, device=dev, layout="contiguous")
+    if words.dim() != 1 or words.numel() < plan.total_words:
+        raise ValueError(f"words must be 1-D with at least plan.total_words = {plan.total_words} int32 words "
+                         f"(build_key_bitmask), got shape {list(words.shape)}")
+    check_tensor("out", out, dims="[T, H, v_head_dim]", shape=(T, H, v.shape[2]), dtype=dt, device=dev,
+                 layout="last_dim", writable=True)
+    if tile_counts is not None:
+        check_tensor("tile_counts", tile_counts, dims="[n_blocks, H]", shape=(plan.num_blocks, H), dtype=torch.int32,
+                     device=dev, layout="contiguous", writable=True)
+    require_disjoint({"out": out, "tile_counts": tile_counts},
+                     {"q_nope": q_nope, "q_pe": q_pe, "k_nope": k_nope, "k_pe": k_pe, "v": v, "words": words})
+
+
 def masked_mha_fwd(
     q_nope: torch.Tensor, q_pe: torch.Tensor | None, k_nope: torch.Tensor, k_pe: torch.Tensor | None, v: torch.Tensor,
     words: torch.Tensor, plan: MaskedMHAPlan, sm_scale: float, out: torch.Tensor, *,
     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
     tile_counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch the masked MHA kernel (inputs already validated by the layer).
+    """Launch the masked MHA kernel; every argument is checked here, before the launch.
 
     Args:
-        q_nope: [T, H, qk_nope] fp16/bf16, last dim contiguous.
-        q_pe: [T, H, qk_rope] or None (NoPE).
+        q_nope: [T, H, qk_nope] fp16/bf16, any token / head strides, last dim contiguous.
+        q_pe: [T, H, qk_rope] or None (NoPE); q_nope's dtype and device, last dim contiguous.
         k_nope: [L, H, qk_nope], v: [L, H, v_head_dim] decompressed keys / values, any row and head
             strides, last dim contiguous; request b's position j is row ``kv_start_b + j``.
-        k_pe: [N, qk_rope] cache rows (shared by all heads) or None; position j of request b is
-            row ``row_offsets[b] + j``.
-        words: packed masks from ``build_key_bitmask(..., plan)``.
-        plan: ``plan_masked_mha`` output (its block_m is BLOCK_M).
-        sm_scale: softmax scale on q . k.
-        out: [T, H, v_head_dim] output, written (a query with no allowed key gets 0).
+        k_pe: [N, qk_rope] cache rows (shared by all heads), given exactly when q_pe is, any row
+            stride, last dim contiguous; position j of request b is row ``row_offsets[b] + j``.
+        words: packed masks from ``build_key_bitmask(..., plan)``: contiguous int32, at least
+            ``plan.total_words`` long.
+        plan: ``plan_masked_mha`` output for these T tokens (its block_m is BLOCK_M).
+        sm_scale: softmax scale on q . k (a finite float).
+        out: [T, H, v_head_dim] output in q's dtype, any token / head strides, last dim contiguous,
+            its own memory (not overlapping an input); written (a query with no allowed key gets 0).
         block_n, num_warps, num_stages: overrides of ``default_config``; block_n a multiple of 32.
         tile_counts: optional [n_blocks, H] int32, receives the number of key tiles each program
             computed (debug mode: compiles a counting variant).
@@ -330,14 +403,22 @@ def masked_mha_fwd(
         out.
 
     Raises:
-        ValueError: block_n not a power-of-two multiple of 32, tile_counts of the wrong shape or dtype,
-            a tensor on neither CUDA nor the CPU under TRITON_INTERPRET=1.
-        TypeError: a bf16 q / k / v under the interpreter (its bf16 tl.dot is wrong;
-            ``validation.require_kernel_tensor``).
+        ValueError: a shape, device or layout mismatch (named), out overlapping itself or an input,
+            block_n not a power-of-two multiple of 32, a non-finite sm_scale, a tensor on neither
+            CUDA nor the CPU under TRITON_INTERPRET=1.
+        TypeError: a non-tensor or a wrong dtype, a bf16 q / k / v under the interpreter (its bf16
+            tl.dot is wrong; ``validation.require_kernel_tensor``), a non-int block_n / num_warps /
+            num_stages.
     """
-    for name, x in (("q_nope", q_nope), ("q_pe", q_pe), ("k_nope", k_nope), ("k_pe", k_pe), ("v", v)):
+    for name, x, dims in (("q_nope", q_nope, "[T, H, qk_nope]"), ("q_pe", q_pe, "[T, H, qk_rope]"),
+                          ("k_nope", k_nope, "[L, H, qk_nope]"), ("k_pe", k_pe, "[N, qk_rope]"), ("v", v, "[L, H, v_head_dim]")):
         if x is not None:
-            require_kernel_tensor(name, x)
+            require_kernel_tensor(name, check_tensor(name, x, dims=dims))
+    _check_masked_mha_args(q_nope, q_pe, k_nope, k_pe, v, words, plan, out, tile_counts)
+    sm_scale = require_finite_float("sm_scale", sm_scale)
+    for name, x in (("block_n", block_n), ("num_warps", num_warps), ("num_stages", num_stages)):
+        if x is not None:
+            require_int(name, x, minimum=1)
     T, H, d_nope = q_nope.shape
     if T == 0 or plan.num_blocks == 0:
         return out
@@ -348,9 +429,6 @@ def masked_mha_fwd(
     if bn % 32 or bn & (bn - 1):
         raise ValueError(f"block_n must be a power of two multiple of 32, got {bn}")
     d_a, d_b = _pow2_split(d_nope)
-    if tile_counts is not None and (tile_counts.shape != (plan.num_blocks, H) or tile_counts.dtype != torch.int32):
-        raise ValueError(f"tile_counts must be int32 [n_blocks, H] = [{plan.num_blocks}, {H}], got "
-                         f"{tile_counts.dtype} {tuple(tile_counts.shape)}")
     qpe = q_pe if q_pe is not None else q_nope
     kpe = k_pe if k_pe is not None else q_nope
     _masked_mha_fwd_kernel[(plan.num_blocks, H)](
