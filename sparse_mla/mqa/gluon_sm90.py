@@ -33,6 +33,7 @@ import os
 import triton
 
 SUPPORTED_TRITON = ("3.6",)  # major.minor of triton whose Gluon API these kernels are written against
+SUPPORTS_SINK = True  # attn_sink / max_logits computed in the kernel (sparse_mla.mqa.backends reads this)
 
 LOG2E = 1.4426950408889634
 BLOCK_H = 64  # pseudo-heads per CTA (wgmma M)
@@ -97,8 +98,30 @@ if GLUON_IMPORT_ERROR is None:
             async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
 
     @gluon.jit
+    def _epilogue_stats(l_i, m_i, hh, row_ok, tok, lse_ptr, stride_lt, has_lse, sink_ptr, maxl_ptr, stride_mt,
+                        has_sink, has_maxl, WRITE: gl.constexpr = True):
+        """The denominator of out per row (l, plus exp(attn_sink[h]) in the row's scale when given; 1 for a row
+        with no valid key, whose O is 0), and with WRITE the lse / max_logits stores (natural log; -inf for a
+        row with no valid key; the sink is in neither). m_i is the final row max in base-2 units."""
+        has_any = l_i > 0.0
+        denom = gl.where(has_any, l_i, 1.0)
+        m_use = gl.where(has_any, m_i, 0.0)
+        if has_sink:  # -inf adds 0; +inf makes the denominator inf (out 0)
+            sink = gl.load(sink_ptr + hh, mask=row_ok, other=float("-inf"))
+            denom = denom + gl.where(has_any, gl.exp2(sink * 1.4426950408889634 - m_use), 0.0)
+        if WRITE:
+            if has_lse:
+                lse = gl.where(has_any, (m_use + gl.log2(gl.where(has_any, l_i, 1.0))) * _LN2, float("-inf"))
+                gl.store(lse_ptr + tok.to(gl.int64) * stride_lt + hh, lse, mask=row_ok)
+            if has_maxl:
+                gl.store(maxl_ptr + tok.to(gl.int64) * stride_mt + hh, gl.where(has_any, m_use * _LN2, float("-inf")),
+                         mask=row_ok)
+        return denom
+
+    @gluon.jit
     def _consumer(q_v, q_r, ring_v, ring_r, ready, empty, rows_ptr, bits_ptr, row_stride, N, gid, n_rows, n_tiles,
                   mb, tok0, H, n_heads, out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, qk_scale, has_lse,
+                  sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl,
                   GROUPED: gl.constexpr, HAS_PE: gl.constexpr, STAGES: gl.constexpr, ABLATE: gl.constexpr):
         """Two warpgroups side by side (warps_per_cta [4, 2]): warpgroup w computes S[:, 32w:32w+32] and
         owns O[:, 256w:256w+256]; Triton exchanges the row max and P across them through shared memory."""
@@ -164,26 +187,26 @@ if GLUON_IMPORT_ERROR is None:
             tok = tok0 + p_o * 0
             hh = p_o
         row_ok = p_o < n_heads
-        has_any = l_i > 0.0
-        o = o / gl.where(has_any, l_i, 1.0)[:, None]
+        m_o = gl.convert_layout(m_i, rows_o)
+        denom = _epilogue_stats(l_i, m_o, hh, row_ok, tok, lse_ptr, stride_lt, has_lse, sink_ptr, maxl_ptr, stride_mt,
+                                has_sink, has_maxl)
+        o = o / denom[:, None]
         cols = gl.arange(0, _DV, layout=gl.SliceLayout(0, o_l))
         o_row = out_ptr + tok.to(gl.int64) * stride_ot + hh.to(gl.int64) * stride_oh
         gl.store(o_row[:, None] + cols[None, :], o.to(dt), mask=row_ok[:, None])
-        if has_lse:
-            m_o = gl.convert_layout(m_i, rows_o)
-            lse = gl.where(has_any, (m_o + gl.log2(gl.where(has_any, l_i, 1.0))) * _LN2, float("-inf"))
-            gl.store(lse_ptr + tok.to(gl.int64) * stride_lt + hh, lse, mask=row_ok)
 
     # Integers that change between calls, index-side pointers and lse's row stride are not specialized, so the
     # compiled variants are exactly those of ``variant_constexprs`` (q, kv, out and their strides must be
     # 16-byte aligned: ``sparse_mla.mqa.backends`` checks it, and cp.async needs it).
     @gluon.jit(do_not_specialize=["rows_ptr", "bits_ptr", "nrows_ptr", "gstart_ptr", "glen_ptr", "route_ptr",
                                   "lse_ptr", "row_stride", "stride_lt", "N", "H", "K", "m_blocks", "group_heads",
-                                  "has_nrows", "has_route", "has_lse"])
+                                  "has_nrows", "has_route", "has_lse", "sink_ptr", "maxl_ptr", "stride_mt",
+                                  "has_sink", "has_maxl"])
     def sparse_mqa_sm90_kernel(
         q_ptr, kv_ptr, rows_ptr, bits_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, out_ptr, lse_ptr,
         stride_qt, stride_qh, stride_kvn, row_stride, stride_ot, stride_oh, stride_lt,
         N, H, K, qk_scale, m_blocks, group_heads, has_nrows, has_route, has_lse,
+        sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl,
         GROUPED: gl.constexpr, HAS_PE: gl.constexpr, STAGES: gl.constexpr,
         PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ABLATE: gl.constexpr, num_warps: gl.constexpr,
     ):
@@ -253,7 +276,7 @@ if GLUON_IMPORT_ERROR is None:
         gl.warp_specialize([
             (_consumer, (q_v, q_r, ring_v, ring_r, ready, empty, rows_ptr, bits_ptr, row_stride, N, gid, n_rows,
                          n_tiles, mb, tok0, H, n_heads, out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, qk_scale,
-                         has_lse, GROUPED, HAS_PE, STAGES, ABLATE)),
+                         has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl, GROUPED, HAS_PE, STAGES, ABLATE)),
             (_producer, (kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, n_tiles, ring_v, ring_r, ready,
                          empty, HAS_PE, STAGES)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
@@ -305,8 +328,8 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _pair_epilogue(o, l_own, m_i, l_mine, l_other, l_bar_mine, l_bar_other, out_ptr, lse_ptr, mb, tok0, H,
-                       n_heads, stride_ot, stride_oh, stride_lt, has_lse, COL0: gl.constexpr, WRITE_LSE: gl.constexpr,
-                       GROUPED: gl.constexpr):
+                       n_heads, stride_ot, stride_oh, stride_lt, has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink,
+                       has_maxl, COL0: gl.constexpr, WRITE_LSE: gl.constexpr, GROUPED: gl.constexpr):
         """Exchange the partial row sums, normalise this warpgroup's 256 columns and store them (and lse)."""
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
         rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
@@ -323,21 +346,19 @@ if GLUON_IMPORT_ERROR is None:
             tok = tok0 + p_o * 0
             hh = p_o
         row_ok = p_o < n_heads
-        has_any = l_i > 0.0
-        o = o / gl.where(has_any, l_i, 1.0)[:, None]
+        m_o = gl.convert_layout(m_i, rows_o)
+        denom = _epilogue_stats(l_i, m_o, hh, row_ok, tok, lse_ptr, stride_lt, has_lse, sink_ptr, maxl_ptr, stride_mt,
+                                has_sink, has_maxl, WRITE_LSE)
+        o = o / denom[:, None]
         cols = gl.arange(0, 256, layout=gl.SliceLayout(0, o_l))
         o_row = out_ptr + tok.to(gl.int64) * stride_ot + hh.to(gl.int64) * stride_oh + COL0
         gl.store(o_row[:, None] + cols[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-        if WRITE_LSE:
-            if has_lse:
-                m_o = gl.convert_layout(m_i, rows_o)
-                lse = gl.where(has_any, (m_o + gl.log2(gl.where(has_any, l_i, 1.0))) * _LN2, float("-inf"))
-                gl.store(lse_ptr + tok.to(gl.int64) * stride_lt + hh, lse, mask=row_ok)
 
     @gluon.jit
     def _pair_wg0(q_v, q_r, ring_v, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, ready, empty, bars, rows_ptr, bits_ptr,
                   row_stride, N, gid, n_rows, n_pairs, mb, tok0, H, n_heads, out_ptr, lse_ptr, stride_ot, stride_oh,
-                  stride_lt, qk_scale, has_lse, GROUPED: gl.constexpr, HAS_PE: gl.constexpr):
+                  stride_lt, qk_scale, has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl,
+                  GROUPED: gl.constexpr, HAS_PE: gl.constexpr):
         """Warpgroup 0: S of the even tiles (stage 0), O[:, 0:256]."""
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
@@ -385,12 +406,14 @@ if GLUON_IMPORT_ERROR is None:
             mbarrier.arrive(bars.index(4), count=1)  # P1 buffer free
             mbarrier.arrive(empty.index(1), count=1)  # done with V1[:, 0:256]
         _pair_epilogue(o, l_i, m_i, s_l0, s_l1, bars.index(5), bars.index(6), out_ptr, lse_ptr, mb, tok0, H, n_heads,
-                       stride_ot, stride_oh, stride_lt, has_lse, 0, True, GROUPED)
+                       stride_ot, stride_oh, stride_lt, has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl, 0,
+                       True, GROUPED)
 
     @gluon.jit
     def _pair_wg1(q_v, q_r, ring_v, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, ready, empty, bars, rows_ptr, bits_ptr,
                   row_stride, N, gid, n_rows, n_pairs, mb, tok0, H, n_heads, out_ptr, lse_ptr, stride_ot, stride_oh,
-                  stride_lt, qk_scale, has_lse, GROUPED: gl.constexpr, HAS_PE: gl.constexpr):
+                  stride_lt, qk_scale, has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl,
+                  GROUPED: gl.constexpr, HAS_PE: gl.constexpr):
         """Warpgroup 1: S of the odd tiles (stage 1), O[:, 256:512]."""
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
@@ -433,15 +456,18 @@ if GLUON_IMPORT_ERROR is None:
             mbarrier.arrive(empty.index(1), count=1)  # done with V1[:, 256:512]
             mbarrier.arrive(empty.index(0), count=1)  # done with V0[:, 256:512] and P0 (it may live in stage 0)
         _pair_epilogue(o, l_i, m_i, s_l1, s_l0, bars.index(6), bars.index(5), out_ptr, lse_ptr, mb, tok0, H, n_heads,
-                       stride_ot, stride_oh, stride_lt, has_lse, 256, False, GROUPED)
+                       stride_ot, stride_oh, stride_lt, has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl,
+                       256, False, GROUPED)
 
     @gluon.jit(do_not_specialize=["rows_ptr", "bits_ptr", "nrows_ptr", "gstart_ptr", "glen_ptr", "route_ptr",
                                   "lse_ptr", "row_stride", "stride_lt", "N", "H", "K", "m_blocks", "group_heads",
-                                  "has_nrows", "has_route", "has_lse"])
+                                  "has_nrows", "has_route", "has_lse", "sink_ptr", "maxl_ptr", "stride_mt",
+                                  "has_sink", "has_maxl"])
     def sparse_mqa_sm90_pair_kernel(
         q_ptr, kv_ptr, rows_ptr, bits_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, out_ptr, lse_ptr,
         stride_qt, stride_qh, stride_kvn, row_stride, stride_ot, stride_oh, stride_lt,
         N, H, K, qk_scale, m_blocks, group_heads, has_nrows, has_route, has_lse,
+        sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl,
         GROUPED: gl.constexpr, HAS_PE: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
         """The pair schedule (module comment above); same arguments and grid as ``sparse_mqa_sm90_kernel``."""
@@ -514,7 +540,7 @@ if GLUON_IMPORT_ERROR is None:
 
         args = (q_v, q_r, ring_v, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, ready, empty, bars, rows_ptr, bits_ptr,
                 row_stride, N, gid, n_rows, n_pairs, mb, tok0, H, n_heads, out_ptr, lse_ptr, stride_ot, stride_oh,
-                stride_lt, qk_scale, has_lse, GROUPED, HAS_PE)
+                stride_lt, qk_scale, has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl, GROUPED, HAS_PE)
         # The default partition (num_warps = 4) is the producer and gets the registers the consumers leave
         # (triton 3.6 fails to lower the consumer's wgmma code in the default partition of this kernel).
         gl.warp_specialize([
@@ -562,14 +588,16 @@ def num_m_blocks(num_pseudo_heads: int) -> int:
 
 
 def launch(q, kv, rows, bits, nrows, group_start, group_len, route, out, lse, sm_scale: float, *,
-           grouped: bool, num_lists: int, group_heads: int) -> None:
+           grouped: bool, num_lists: int, group_heads: int, attn_sink=None, max_logits=None) -> None:
     """Launch on validated CUDA tensors (``sparse_mla.mqa.backends`` checks that this kernel applies).
 
     q [T, H, D_qk], kv [N, D_qk] (row stride ``kv.stride(0)``), out [T, H, 512], lse [T, H] fp32 or None.
     Per-token (grouped=False): rows = indices [T, K] int32, nrows = topk_length [T] or None, route [T]
     int8 or None (0 = skip), num_lists = T, group_heads = H. Grouped: rows / bits = union rows and
     membership words [num_groups, U] int32, nrows = union_len, group_start / group_len [num_groups],
-    num_lists = num_groups, group_heads = G * H (<= 128).
+    num_lists = num_groups, group_heads = G * H (<= 128). attn_sink [H] fp32 contiguous or None (adds
+    exp(attn_sink[h]) to out's denominator), max_logits [T, H] fp32 (heads contiguous) or None (written):
+    the semantics of ``sparse_mla.mqa.triton_tl``.
     """
     T, H, D = q.shape
     if num_lists == 0:
@@ -584,6 +612,8 @@ def launch(q, kv, rows, bits, nrows, group_start, group_len, route, out, lse, sm
         lse.stride(0) if lse is not None else 0,
         kv.shape[0], H, rows.shape[1], sm_scale * LOG2E, m_blocks, group_heads,
         int(nrows is not None), int(route is not None), int(lse is not None),
+        attn_sink if attn_sink is not None else dummy, max_logits if max_logits is not None else dummy,
+        max_logits.stride(0) if max_logits is not None else 0, int(attn_sink is not None), int(max_logits is not None),
         **variant_constexprs(grouped, D > D_V),
     )
 
@@ -596,7 +626,8 @@ _ARG_TYPES = (("q_ptr", "*{dt}"), ("kv_ptr", "*{dt}"), ("rows_ptr", "*i32"), ("b
               ("stride_kvn", "i32"), ("row_stride", "i32"), ("stride_ot", "i32"), ("stride_oh", "i32"),
               ("stride_lt", "i32"), ("N", "i32"), ("H", "i32"), ("K", "i32"), ("qk_scale", "fp32"),
               ("m_blocks", "i32"), ("group_heads", "i32"), ("has_nrows", "i32"), ("has_route", "i32"),
-              ("has_lse", "i32"))
+              ("has_lse", "i32"), ("sink_ptr", "*fp32"), ("maxl_ptr", "*fp32"), ("stride_mt", "i32"),
+              ("has_sink", "i32"), ("has_maxl", "i32"))
 # Specialized 16-divisible at launch (checked by the backend selection): q, kv, out and their strides.
 _ALIGNED = ("q_ptr", "kv_ptr", "out_ptr", "stride_qt", "stride_qh", "stride_kvn", "stride_ot", "stride_oh")
 
