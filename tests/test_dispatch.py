@@ -87,8 +87,16 @@ def test_refusals():
     assert choose_path(step(new=(100,), kernels_available=False))[0] == "dense_mha"
     d = explain(step(new=(100,), kernels_available=False), path="masked_mha")
     assert d.fell_back and "TRITON_INTERPRET" in d.supports["masked_mha"][1]
-    with pytest.raises(ValueError, match="no path supports"):
+    with pytest.raises(ValueError, match="no path supports") as err:
         choose_path(step(new=(30000,), kernels_available=False))
+    # the error says what the caller can change: the device / interpreter and fp16, or dense_topk
+    assert "What you can change: (1) run on a CUDA GPU" in str(err.value) and "TRITON_INTERPRET=1" in str(err.value)
+    assert "float16" in str(err.value) and "(2) if every top-k list is its token's whole causal window, pass dense_topk=True" \
+        in str(err.value)
+    with pytest.raises(ValueError, match=r"What you can change: .*dense_topk=True.*kv_lora_rank in \(512,\).*<= 512 only$"):
+        choose_path(PrefillStep(16, 256, 600, 64, 600, TOPK, (0,), (2**21,)))
+    with pytest.raises(ValueError, match=r"What you can change: .*kv_lora_rank in \(512,\).*smaller chunks"):
+        choose_path(PrefillStep(16, 256, 128, 64, 128, TOPK, (0,), (2**20,)))
     # dims the MQA kernels do not take: masked MHA is the only sparse path, even when long
     odd = PrefillStep(16, 256, 128, 64, 128, TOPK, (0,), (65536,))
     d = explain(odd)

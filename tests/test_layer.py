@@ -310,6 +310,19 @@ BAD_INPUTS = [
     ("sm_scale nan", lambda kw: _mutate(kw, sm_scale=float("nan")), ValueError, "sm_scale"),
     ("unknown path", lambda kw: _mutate(kw, path="flash"), ValueError, "path must be"),
     ("out shape", lambda kw: _mutate(kw, out=torch.empty(1, 1, 1, dtype=DTYPE)), ValueError, "out must be"),
+    ("out dtype", lambda kw: _mutate(kw, out=torch.empty_like(kw["q_nope"], dtype=torch.float32)), TypeError,
+     r"out must be \[T, H, v_head_dim\] = \[16, 4, 128\] .*got dtype torch.float32"),
+    ("out expanded", lambda kw: _mutate(kw, out=torch.empty_like(kw["q_nope"][:1]).expand_as(kw["q_nope"])), ValueError,
+     "out must be .*its own memory"),
+    ("out is q_nope", lambda kw: _mutate(kw, out=kw["q_nope"]), ValueError, "out shares memory with q_nope"),
+    ("out not a tensor", lambda kw: _mutate(kw, out=[0.0]), TypeError, "out must be a torch.Tensor"),
+    ("topk_length shape", lambda kw: _mutate(kw, topk_length=torch.zeros(kw["q_nope"].shape[0] + 1, dtype=torch.int32)),
+     ValueError, r"topk_length must be \[T\] = \[16\].*got shape \[17\]"),
+    ("kv neither", lambda kw: _mutate(kw, kv=None), ValueError, "exactly one of kv .*got neither"),
+    ("sm_scale bool", lambda kw: _mutate(kw, sm_scale=True), TypeError, "sm_scale must be a finite float.*got bool"),
+    ("sm_scale tensor", lambda kw: _mutate(kw, sm_scale=torch.tensor(0.1)), TypeError, "sm_scale must be a finite float"),
+    ("check int", lambda kw: _mutate(kw, check=1), TypeError, "check must be a bool"),
+    ("return_decision str", lambda kw: _mutate(kw, return_decision="yes"), TypeError, "return_decision must be a bool"),
 ]
 
 
@@ -342,6 +355,26 @@ def test_check_mode_contents():
         dsa_prefill(**{**kw, "indices": short}, check=True)
     p = validate_dsa_prefill_args(**{**kw, "indices": short}, dense_topk=False, check=True)
     assert explain(p.step).path != "dense_mha"
+
+
+def test_check_mode_reports_nonfinite_cache_rows():
+    """check=True names a NaN / inf cache row inside a request's window, selected or not (the MHA paths read
+    the whole window: docs/DESIGN.md "Non-finite kv rows"), and accepts one outside every window."""
+    kw, _ = build(CASES[4])  # one request, 40 cached + 24 new, rows 0..63; rows 64..66 outside
+    idx = kw["indices"].clone()
+    row = int(idx[3][idx[3] >= 0][0])
+    kv = kw["kv"].clone()
+    kv[row, 3] = float("nan")
+    with pytest.raises(ValueError, match=rf"cache rows \[{row}\] .* row {row} is selected by indices\[\d+, \d+\]"):
+        dsa_prefill(**{**kw, "kv": kv}, check=True)
+    kv = kw["kv"].clone()
+    idx[idx == 63] = -1  # row 63 (the last token's own position) selected by no query
+    kv[63, 520] = float("inf")  # in the k_pe part (columns 512 .. 575)
+    with pytest.raises(ValueError, match=r"cache rows \[63\] .* selected by no query, but inside a request window"):
+        dsa_prefill(**{**kw, "kv": kv, "indices": idx}, check=True)
+    kv = kw["kv"].clone()
+    kv[64:] = float("nan")  # outside every window: never read by any path
+    validate_dsa_prefill_args(**{**kw, "kv": kv}, check=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -152,7 +152,19 @@ CHECKED_CASES = [
                  id="cu_seqlens_q-not-to-T"),
     pytest.param(lambda a: {**a, "cu_seqlens_q": torch.tensor([0, 2, 1, T], dtype=torch.int32, device=DEVICE)},
                  "cu_seqlens_q", id="cu_seqlens_q-decreasing"),
+    pytest.param(lambda a: {**a, "kv": _poison_row(a["kv"], int(a["indices"][1, 2]), math.nan)},
+                 r"kv rows \[\d+\] hold NaN or inf values and are selected by some query \(first: indices\[1, 2\]",
+                 id="nan-in-a-selected-row"),
+    pytest.param(lambda a: {**a, "kv": _poison_row(_poison_row(a["kv"], int(a["indices"][0, 0]), -math.inf),
+                                                   int(a["indices"][2, 3]), math.inf)},
+                 r"kv rows \[\d+, \d+\] hold NaN or inf.*Non-finite kv rows", id="inf-in-two-selected-rows"),
 ]
+
+
+def _poison_row(kv: torch.Tensor, row: int, value: float) -> torch.Tensor:
+    kv = kv.clone()
+    kv[row, 7] = value
+    return kv
 
 
 def _put(t: torch.Tensor, i: int, j: int, v: int) -> torch.Tensor:
@@ -181,6 +193,19 @@ def test_checked_mode_accepts_padding_and_garbage_past_topk_length(no_launch):
         _call(a, check=True, method="per_token")
     # and the reference agrees that these are valid inputs
     sparse_mla_ref(**a, check=True)
+
+
+def test_checked_mode_accepts_nonfinite_rows_no_query_selects(no_launch):
+    """The contract (docs/DESIGN.md "Non-finite kv rows"): a row no query selects never reaches the result,
+    so check=True accepts a NaN / inf there (the patched launchers then fail the test, proving no raise)."""
+    a = _args()
+    unselected = sorted(set(range(N)) - set(a["indices"].flatten().tolist()))
+    assert unselected
+    kv = a["kv"].clone()
+    kv[unselected[0]] = math.nan
+    kv[unselected[-1], :3] = math.inf
+    with pytest.raises(AssertionError, match="kernel was launched"):
+        _call({**a, "kv": kv}, check=True, method="per_token")
 
 
 @pytest.mark.parametrize("make, match", [

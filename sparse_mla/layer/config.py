@@ -14,7 +14,6 @@ by request (T = sum(new_lens)). New token i of request b (position cached_b + i)
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,7 +21,16 @@ from dataclasses import dataclass
 import torch
 
 from ..host import to_device_async
-from ..validation import counted_entries, flatten_kv
+from ..validation import (
+    NONFINITE_CONTRACT,
+    check_tensor,
+    counted_entries,
+    flatten_kv,
+    nonfinite_rows,
+    require_bool,
+    require_disjoint,
+    require_finite_float,
+)
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -315,7 +323,8 @@ def validate_dsa_prefill_args(
     w3 = w_kv_b.reshape(H, d_nope + d_v, r)
 
     if (kv is None) == (kv_c is None):
-        raise ValueError("pass exactly one of kv ([N, kv_lora_rank + qk_rope_head_dim] rows) or kv_c ([N, kv_lora_rank]; k_pe)")
+        raise ValueError("pass exactly one of kv ([N, kv_lora_rank + qk_rope_head_dim] rows) or kv_c ([N, kv_lora_rank]; k_pe), "
+                         f"got {'both' if kv is not None else 'neither'}")
     if kv is not None:
         kv = flatten_kv(_tensor("kv", kv))
         _same("kv", kv, q_nope)
@@ -333,7 +342,8 @@ def validate_dsa_prefill_args(
         kv_c = flatten_kv(_tensor("kv_c", kv_c))
         _same("kv_c", kv_c, q_nope)
         if kv_c.shape[1] != r or kv_c.stride(-1) != 1:
-            raise ValueError(f"kv_c must be [N, kv_lora_rank] = [N, {r}] with a contiguous last dim, got {tuple(kv_c.shape)}")
+            raise ValueError(f"kv_c must be [N, kv_lora_rank] = [N, {r}] with a contiguous last dim, got shape "
+                             f"{tuple(kv_c.shape)} strides {kv_c.stride()}")
         if d_rope:
             if k_pe is None:
                 raise ValueError(f"k_pe [N, {d_rope}] is required when q_pe has qk_rope_head_dim = {d_rope}")
@@ -341,7 +351,7 @@ def validate_dsa_prefill_args(
             _same("k_pe", k_pe, q_nope)
             if k_pe.shape != (kv_c.shape[0], d_rope) or k_pe.stride(-1) != 1:
                 raise ValueError(f"k_pe must be [N, qk_rope_head_dim] = [{kv_c.shape[0]}, {d_rope}] with a contiguous last dim, "
-                                 f"got shape {tuple(k_pe.shape)}")
+                                 f"got shape {tuple(k_pe.shape)} strides {k_pe.stride()}")
         elif k_pe is not None and k_pe.numel() != 0:
             raise ValueError(f"k_pe given with {k_pe.shape[-1]} columns but q_pe has qk_rope_head_dim = 0")
         else:
@@ -361,14 +371,11 @@ def validate_dsa_prefill_args(
     indices = indices.contiguous()
     K = indices.shape[1]
     if topk_length is not None:
-        topk_length = _tensor("topk_length", topk_length)
-        if topk_length.dtype != torch.int32 or topk_length.shape != (T,) or topk_length.device != q_nope.device:
-            raise TypeError(f"topk_length must be int32 [T] = [{T}] on {q_nope.device}, got {topk_length.dtype} "
-                            f"{tuple(topk_length.shape)} on {topk_length.device}")
-        topk_length = topk_length.contiguous()
+        topk_length = check_tensor("topk_length", topk_length, dims="[T]", shape=(T,), dtype=torch.int32,
+                                   device=q_nope.device).contiguous()
 
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not math.isfinite(float(sm_scale)):
-        raise ValueError(f"sm_scale must be a finite float (the softmax scale), got {sm_scale!r}")
+    sm_scale = require_finite_float("sm_scale", sm_scale, " (the softmax scale)")
+    require_bool("check", check)
 
     cached = _lengths("cached_lens", cached_lens)
     new = _lengths("new_lens", new_lens)
@@ -392,7 +399,7 @@ def validate_dsa_prefill_args(
 
     step = PrefillStep(H, r, d_nope, d_rope, d_v, K, cached, new, dense_topk=dense_topk,
                        has_topk_length=topk_length is not None, kernels_available=kernels_available(q_nope.device, q_nope.dtype))
-    p = DSAPrefillProblem(q_nope, q_pe, w3, kv_c, k_pe, kv_rows, indices, topk_length, float(sm_scale), row_offsets, step)
+    p = DSAPrefillProblem(q_nope, q_pe, w3, kv_c, k_pe, kv_rows, indices, topk_length, sm_scale, row_offsets, step)
     if check:
         check_layer_contents(p)
     return p
@@ -404,7 +411,8 @@ def check_layer_contents(p: DSAPrefillProblem) -> None:
     Raises:
         ValueError: topk_length outside [0, K]; a counted entry >= 0 outside its query's causal
             window; a row listed twice for one query; a list that is not the whole window when the
-            step is dense-eligible (``PrefillStep.dense_eligible``).
+            step is dense-eligible (``PrefillStep.dense_eligible``); a NaN / inf in a cache row
+            (kv_c or k_pe) inside a request's window (``check_window_rows_finite``).
     """
     idx = p.indices
     T, K = idx.shape
@@ -433,3 +441,61 @@ def check_layer_contents(p: DSAPrefillProblem) -> None:
             t = int(short.nonzero()[0, 0])
             raise ValueError(f"token {t}: its top-k list holds {int(valid[t].sum())} of the {int(win[t])} rows of its window, "
                              "but the step is dense-eligible (pass dense_topk=False if the lists may be partial) (check=True)")
+    check_window_rows_finite(p, idx, valid)
+
+
+def window_row_ids(p: DSAPrefillProblem) -> torch.Tensor:
+    """[R] int64 on the cache's device: the cache rows of every request window that has new tokens
+    (rows row_offsets[b] .. row_offsets[b] + cached_b + new_b - 1), ascending, each once."""
+    dev = p.kv_c.device
+    parts = [torch.arange(o, o + c + n, device=dev) for o, c, n in zip(p.row_offsets, p.step.cached_lens, p.step.new_lens)
+             if n > 0]
+    return torch.unique(torch.cat(parts)) if parts else torch.zeros(0, dtype=torch.int64, device=dev)
+
+
+def check_window_rows_finite(p: DSAPrefillProblem, indices: torch.Tensor, selected: torch.Tensor) -> None:
+    """Raise when a cache row inside a request's window holds a NaN or an inf (syncs the device).
+
+    The window, not only the selected rows: the dense and masked MHA paths read every row of it, so
+    an unselected non-finite row there still reaches the output of other queries (docs/DESIGN.md
+    "Non-finite kv rows").
+
+    Args:
+        indices, selected: [T, K] int32 rows and the [T, K] bool entries that count (in-window).
+
+    Raises:
+        ValueError: naming the first such rows (up to 8), whether a query selects the first one (and
+            which entry), and what it does to each path's result.
+    """
+    rows = window_row_ids(p)
+    if rows.numel() == 0:
+        return
+    bad = nonfinite_rows(p.kv_c, rows)
+    if p.k_pe is not None:
+        bad = torch.unique(torch.cat([bad, nonfinite_rows(p.k_pe, rows)]))
+    if bad.numel() == 0:
+        return
+    first = bad[:8].tolist()
+    more = f" and {bad.numel() - 8} more" if bad.numel() > 8 else ""
+    hit = (selected & (indices.long() == bad[0])).nonzero()
+    who = (f"selected by indices[{int(hit[0, 0])}, {int(hit[0, 1])}]" if hit.shape[0] else
+           "selected by no query, but inside a request window, which the MHA paths read whole")
+    raise ValueError(f"cache rows {first}{more} (kv_c / k_pe) hold NaN or inf values; row {first[0]} is {who} "
+                     f"({NONFINITE_CONTRACT}) (check=True)")
+
+
+def validate_dsa_prefill_out(p: DSAPrefillProblem, out: object) -> torch.Tensor | None:
+    """``dsa_prefill``'s ``out``: None, or [T, H, v_head_dim] in q_nope's dtype on its device, last dim
+    contiguous, its own memory and not overlapping an input.
+
+    Raises:
+        TypeError: not a tensor, or another dtype. ValueError: another shape, device or layout, or overlap.
+    """
+    if out is None:
+        return None
+    T, H, _ = p.q_nope.shape
+    check_tensor("out", out, dims="[T, H, v_head_dim]", shape=(T, H, p.step.v_head_dim), dtype=p.q_nope.dtype,
+                 device=p.q_nope.device, layout="last_dim", writable=True)
+    require_disjoint({"out": out}, {"q_nope": p.q_nope, "q_pe": p.q_pe, "w_kv_b": p.w_kv_b, "kv_c": p.kv_c,
+                                    "k_pe": p.k_pe, "indices": p.indices, "topk_length": p.topk_length})
+    return out

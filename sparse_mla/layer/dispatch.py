@@ -33,7 +33,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from .config import PrefillStep, causal_sums
-from .paths import DenseMHA, MaskedMHA, SparseMQA
+from .paths import MASKED_MHA_MAX_HEAD_DIM, MQA_KV_LORA_RANKS, MQA_ROPE_DIMS, DenseMHA, MaskedMHA, SparseMQA
 
 logger = logging.getLogger("sparse_mla")
 
@@ -208,7 +208,29 @@ def auto_path(step: PrefillStep, sup: dict[str, tuple[bool, str]], ratio: float,
         if ok:
             return name, f"the only supported path: {why}"
     details = "; ".join(f"{n}: {w}" for n, (_, w) in sup.items())
-    raise ValueError(f"no path supports this step ({details})")
+    changes = "; ".join(f"({i}) {c}" for i, c in enumerate(what_to_change(step, sup), 1))
+    raise ValueError(f"no path supports this step ({details}). What you can change: {changes}")
+
+
+def what_to_change(step: PrefillStep, sup: dict[str, tuple[bool, str]]) -> list[str]:
+    """What a caller can change so that some path supports ``step``, one item per refusal reason
+    (for the error raised when no path does)."""
+    out = []
+    if not step.kernels_available:
+        out.append("run on a CUDA GPU, or on a CPU set TRITON_INTERPRET=1 before importing sparse_mla and pass "
+                   "float16 tensors (the interpreter computes bf16 dots wrongly)")
+    if not sup["dense_mha"][0] and step.dense_topk is not True:
+        out.append("if every top-k list is its token's whole causal window, pass dense_topk=True (then the dense MHA "
+                   "path, plain PyTorch, runs anywhere)")
+    if step.kv_lora_rank not in MQA_KV_LORA_RANKS or step.qk_rope_head_dim not in MQA_ROPE_DIMS:
+        out.append(f"the sparse MQA paths take kv_lora_rank in {MQA_KV_LORA_RANKS} and qk_rope_head_dim in "
+                   f"{MQA_ROPE_DIMS} only")
+    if step.mha_qk_head_dim > MASKED_MHA_MAX_HEAD_DIM or step.v_head_dim > MASKED_MHA_MAX_HEAD_DIM:
+        out.append(f"masked MHA takes qk_nope + qk_rope and v_head_dim <= {MASKED_MHA_MAX_HEAD_DIM} only")
+    if any("cap" in why for _, why in sup.values()):
+        out.append("split the step into smaller chunks (fewer new tokens or shorter cached windows per call) to fit "
+                   "the MHA paths' memory caps")
+    return out or ["nothing known: please report the step (explain(step) prints every path's reason)"]
 
 
 def explain(step: PrefillStep, path: str | None = None) -> PathDecision:
@@ -265,4 +287,4 @@ def decide_and_log(step: PrefillStep, path: str | None = None) -> PathDecision:
 
 __all__ = ["PATHS", "PATH_NAMES", "THRESHOLDS", "NEVER", "ENV_VAR", "HeadsThresholds", "PathDecision",
            "PathFallbackWarning", "explain", "choose_path", "decide_and_log", "auto_path", "mha_work", "sparse_work",
-           "work_ratio", "thresholds_for", "masked_ratio_limit", "has_cached_prefix"]
+           "work_ratio", "thresholds_for", "masked_ratio_limit", "has_cached_prefix", "what_to_change"]

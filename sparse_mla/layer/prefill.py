@@ -12,7 +12,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .config import validate_dsa_prefill_args
+from ..validation import require_bool
+from .config import validate_dsa_prefill_args, validate_dsa_prefill_out
 from .dispatch import PATHS, PathDecision, decide_and_log
 
 
@@ -93,13 +94,9 @@ def dsa_prefill(
         row_offsets=row_offsets, sm_scale=sm_scale, topk_length=topk_length, dense_topk=dense_topk, check=check,
     )
     T, H, _ = p.q_nope.shape
-    shape = (T, H, p.step.v_head_dim)
-    if out is None:
-        out = torch.empty(shape, dtype=p.q_nope.dtype, device=p.q_nope.device)
-    elif (not isinstance(out, torch.Tensor) or out.shape != shape or out.dtype != p.q_nope.dtype
-          or out.device != p.q_nope.device or out.stride(-1) != 1):
-        raise ValueError(f"out must be [T, H, v_head_dim] = {list(shape)} {p.q_nope.dtype} on {p.q_nope.device} with a "
-                         f"contiguous last dim, got {getattr(out, 'shape', type(out).__name__)}")
+    if validate_dsa_prefill_out(p, out) is None:
+        out = torch.empty((T, H, p.step.v_head_dim), dtype=p.q_nope.dtype, device=p.q_nope.device)
+    require_bool("return_decision", return_decision)
     decision = decide_and_log(p.step, path)
     if T > 0:
         PATHS[decision.path].run(p, out)
