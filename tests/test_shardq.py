@@ -547,6 +547,33 @@ def test_tp_baseline_all_padding_rows():
     assert torch.all(out == 0) and torch.all(lse == float("-inf"))
 
 
+@pytest.mark.parametrize("change, exc, match", [
+    pytest.param(dict(out=torch.empty(1, 4, D_V, dtype=DTYPE, device=DEVICE).expand(5, 4, D_V)), ValueError,
+                 "out must be .*contiguous", id="out-expanded"),
+    pytest.param(dict(out=torch.empty(5, 4, D_V, dtype=torch.float32, device=DEVICE)), TypeError,
+                 r"out must be \[T, H / W, d_v\] = \[5, 4, 512\] .*got dtype torch.float32", id="out-fp32"),
+    pytest.param(dict(lse=torch.empty(4, 5, device=DEVICE).t()), ValueError, r"lse must be .*contiguous; got strides",
+                 id="lse-transposed"),
+    pytest.param(dict(return_lse=1), TypeError, "return_lse must be a bool", id="return_lse-int"),
+    pytest.param(dict(method="flash"), ValueError, "method must be one of", id="method-unknown"),
+    pytest.param(dict(sm_scale=True), TypeError, "sm_scale must be a finite float.*bool", id="sm_scale-bool"),
+    pytest.param(dict(d_v=512.0), TypeError, "d_v must be an int, got float", id="d_v-float"),
+])
+def test_tp_and_shardq_bad_arguments(change, exc, match, monkeypatch):
+    """The checks both entry points share (``_check_common``), in-process: they run before any collective
+    or launch (no process group is started)."""
+    import sparse_mla.interface as interface
+
+    monkeypatch.setattr(interface, "sparse_mla_fwd", lambda *a, **k: pytest.fail("attention ran on a bad argument"))
+    p = make_problem(5, 4, 16, 64, seed=4)
+    kwargs = {"return_lse": True, **change}
+    sm_scale = kwargs.pop("sm_scale", p.sm_scale)
+    for fn in (tp_sparse_mla_fwd, shardq_sparse_mla_fwd):
+        with pytest.raises(exc, match=match):
+            fn(p.q, p.kv, p.indices, sm_scale, **kwargs)
+    assert not dist.is_initialized()
+
+
 def test_build_problem_is_adversarial():
     """The worker problems contain what they claim: sentinels, padding rows, an empty query."""
     case = replace(WORKER_CASES[1], pad_rows=2)

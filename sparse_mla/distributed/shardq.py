@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..validation import KERNEL_DTYPES, validate_sparse_mla_args
+from ..validation import KERNEL_DTYPES, check_tensor, require_bool, require_disjoint, validate_sparse_mla_args
 from .zigzag import zigzag_chunks
 
 logger = logging.getLogger("sparse_mla")
@@ -77,7 +77,8 @@ def _default_attn_fn() -> AttnFn:
     return sparse_mla_fwd
 
 
-def _check_common(q_local, kv, indices, sm_scale, topk_length, d_v, num_real_tokens, attn_fn, out, lse, return_lse):
+def _check_common(q_local, kv, indices, sm_scale, topk_length, d_v, num_real_tokens, attn_fn, out, lse, return_lse,
+                  method):
     """Validation shared by both paths; runs on every rank before any communication or launch,
     so that bad input raises on all ranks at the same point instead of hanging a collective."""
     allowed = KERNEL_DTYPES if attn_fn is None else (*KERNEL_DTYPES, torch.float32)
@@ -95,22 +96,22 @@ def _check_common(q_local, kv, indices, sm_scale, topk_length, d_v, num_real_tok
         n_real = num_real_tokens
     if attn_fn is not None and not callable(attn_fn):
         raise TypeError(f"attn_fn must be callable like sparse_mla_fwd, got {type(attn_fn).__name__}")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    if attn_fn is None:  # else the attention would raise only after the q exchange
+        from ..selection import METHODS  # on first use: it imports the kernel modules
+
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS} (sparse_mla_fwd's), got {method!r}")
+    require_bool("return_lse", return_lse)
     if out is not None:
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
-        if out.shape != (T, H_local, d_v) or out.dtype != p.q.dtype or out.device != p.q.device or not out.is_contiguous():
-            raise ValueError(f"out must be contiguous [T, H / W, d_v] = [{T}, {H_local}, {d_v}] {p.q.dtype} on "
-                             f"{p.q.device}, got {tuple(out.shape)} {out.dtype} on {out.device}")
+        check_tensor("out", out, dims="[T, H / W, d_v]", shape=(T, H_local, p.d_v), dtype=p.q.dtype, device=p.q.device,
+                     layout="contiguous", writable=True)
     if lse is not None:
         if not return_lse:
             raise ValueError("lse= was given but return_lse=False")
-        if not isinstance(lse, torch.Tensor):
-            raise TypeError(f"lse must be a torch.Tensor, got {type(lse).__name__}")
-        if lse.shape != (T, H_local) or lse.dtype != torch.float32 or lse.device != p.q.device or not lse.is_contiguous():
-            raise ValueError(f"lse must be contiguous [T, H / W] = [{T}, {H_local}] float32 on {p.q.device}, "
-                             f"got {tuple(lse.shape)} {lse.dtype} on {lse.device}")
+        check_tensor("lse", lse, dims="[T, H / W]", shape=(T, H_local), dtype=torch.float32, device=p.q.device,
+                     layout="contiguous", writable=True)
+    require_disjoint({"out": out, "lse": lse}, {"q_local": p.q, "kv": p.kv, "indices": p.indices,
+                                                "topk_length": p.topk_length})
     return p, n_real
 
 
@@ -208,7 +209,7 @@ def tp_sparse_mla_fwd(
             ``num_real_tokens``, ``out`` or ``lse``.
     """
     p, n_real = _check_common(q_local, kv, indices, sm_scale, topk_length, d_v, num_real_tokens, attn_fn,
-                              out, lse, return_lse)
+                              out, lse, return_lse, method)
     watch = _Stopwatch(p.q.device, timings is not None)
     out, lse = _tp_forward(p, n_real, attn_fn or _default_attn_fn(), method, return_lse, out, lse, watch)
     if timings is not None:
@@ -298,7 +299,7 @@ def shardq_sparse_mla_fwd(
             communication. RuntimeError: torch.distributed is not initialized.
     """
     p, n_real = _check_common(q_local, kv, indices, sm_scale, topk_length, d_v, num_real_tokens, attn_fn,
-                              out, lse, return_lse)
+                              out, lse, return_lse, method)
     if isinstance(min_tokens, bool) or not isinstance(min_tokens, int):
         raise TypeError(f"min_tokens must be a Python int, got {type(min_tokens).__name__}")
     if min_tokens < 0:
