@@ -5,6 +5,8 @@ Public entry points (semantics: ``sparse_mla.mqa.reference``; docs/DESIGN.md):
 * ``sparse_mla_fwd``: sparse MLA prefill, per-token or grouped (union of G queries' top-k).
 * ``build_group_union``: the per-group union of top-k lists with membership bits.
 * ``sparse_mla_ref``: the fp32 reference.
+* ``flash_mla_sparse_fwd``: drop-in for FlashMLA's ``flash_mla_sparse_fwd`` (its shapes, outputs
+  (out, max_logits, lse) and conventions; any head count), with its fp32 reference ``flash_mla_sparse_ref``.
 * ``SparseMLAWorkspace``: preallocated scratch for the grouped path.
 * ``dsa_prefill`` / ``SparseMLAPrefill``: the layer-level prefill (dense MHA, masked MHA, grouped
   or per-token sparse MQA, chosen by a measured dispatcher), with its fp32 reference ``dsa_prefill_ref``.
@@ -24,6 +26,8 @@ _EXPORTS = {
     "build_group_union": "sparse_mla.interface",
     "GroupUnion": "sparse_mla.interface",
     "sparse_mla_ref": "sparse_mla.mqa.reference",
+    "flash_mla_sparse_fwd": "sparse_mla.flashmla_compat",
+    "flash_mla_sparse_ref": "sparse_mla.flashmla_compat",
     "SparseMLAWorkspace": "sparse_mla.workspace",
     "default_group_size": "sparse_mla.workspace",
     "dsa_prefill": "sparse_mla.layer",

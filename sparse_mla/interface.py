@@ -41,6 +41,8 @@ def sparse_mla_fwd(
     lse: torch.Tensor | None = None,
     group_size: int | None = None,
     overlap_guard: float | None = -1.0,
+    attn_sink: torch.Tensor | None = None,
+    max_logits: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA prefill (MQA / absorbed form): each query attends to its own top-k kv rows.
 
@@ -77,6 +79,15 @@ def sparse_mla_fwd(
         group_size: queries per group (default ``default_group_size(H)``, 1..16).
         overlap_guard: union rows / mean list length above which a group runs per token;
             -1 = the default table (``selection.overlap_guard_ratio``), None = no guard.
+        attn_sink: optional [H] float32 on q's device: a per-head sink logit (natural units) added
+            to the softmax denominator of out, out[t, h] *= 1 / (1 + exp(attn_sink[h] - lse[t, h]));
+            -inf changes nothing, +inf gives out 0. lse and max_logits do not include it.
+        max_logits: optional preallocated [T, H] float32 output (heads contiguous), written in the
+            same pass: max over the valid rows of sm_scale * q . k (natural units), -inf for a query
+            with no valid row. Not returned; read the tensor you passed.
+
+    Conventions (this API): a query with no valid row gets out 0, lse -inf, max_logits -inf.
+    ``sparse_mla.flash_mla_sparse_fwd`` is the FlashMLA-compatible call (its shapes, lse +inf there).
 
     Returns:
         out [T, H, d_v] in q's dtype, or (out, lse) with return_lse=True.
@@ -87,7 +98,8 @@ def sparse_mla_fwd(
             tl.dot is wrong: use fp16 on the CPU).
         ValueError: shape / device / layout mismatches, D_qk not in {512, 576}, d_v != 512, an
             unknown method, a workspace that does not fit, CPU tensors without TRITON_INTERPRET=1,
-            and (check=True) bad index contents.
+            and (check=True) bad index contents; attn_sink / max_logits of the wrong shape or dtype
+            (TypeError for the dtype).
     """
     p = validate_sparse_mla_args(
         q, kv, indices, sm_scale, d_v=d_v, topk_length=topk_length, cu_seqlens_q=cu_seqlens_q, check=check
@@ -106,25 +118,52 @@ def sparse_mla_fwd(
         lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     elif lse is not None and (lse.shape != (T, H) or lse.dtype != torch.float32 or not lse.is_contiguous()):
         raise ValueError(f"lse must be contiguous [T, H] = [{T}, {H}] float32, got {tuple(lse.shape)} {lse.dtype}")
+    attn_sink = check_sink_and_max_logits(attn_sink, max_logits, T, H, q.device)
     require_kernel_tensor("q", p.q)  # kv and out share its device and dtype
     logger.debug("sparse_mla_fwd: T=%d H=%d K=%d -> %s (%s)", T, H, p.topk, chosen, reason)
     if T == 0:
         return (out, lse) if return_lse else out
 
+    extras = {"attn_sink": attn_sink, "max_logits": max_logits}
     if chosen == "per_token":
-        mqa_backends.per_token(p.q, p.kv, p.indices, p.sm_scale, p.topk_length, out, lse)
+        mqa_backends.per_token(p.q, p.kv, p.indices, p.sm_scale, p.topk_length, out, lse, **extras)
     else:
         ws = workspace or SparseMLAWorkspace(T, p.topk, G, p.num_kv_rows, q.device)
         ok, why = ws.fits(T, p.topk, G, p.num_kv_rows)
         if not ok:
             raise ValueError(f"workspace does not fit this call: {why}")
         guard = overlap_guard_ratio(G) if overlap_guard == -1.0 else overlap_guard
-        _grouped_forward(p, G, ws, out, lse, guard)
+        _grouped_forward(p, G, ws, out, lse, guard, extras)
     return (out, lse) if return_lse else out
 
 
+def check_sink_and_max_logits(attn_sink: torch.Tensor | None, max_logits: torch.Tensor | None, T: int, H: int,
+                              device: torch.device) -> torch.Tensor | None:
+    """Check ``attn_sink`` ([H] float32) and ``max_logits`` ([T, H] float32, heads contiguous) on ``device``;
+    returns attn_sink made contiguous (the kernels index it by head).
+
+    Raises:
+        TypeError: not a tensor, or not float32. ValueError: wrong shape, device or layout.
+    """
+    for name, x, shape in (("attn_sink", attn_sink, (H,)), ("max_logits", max_logits, (T, H))):
+        if x is None:
+            continue
+        dims = "[H]" if name == "attn_sink" else "[T, H]"
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a float32 tensor {dims}, got {type(x).__name__}")
+        if x.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32 {dims}, got dtype {x.dtype}")
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{name} must be {dims} = {list(shape)}, got shape {tuple(x.shape)}")
+        if x.device != device:
+            raise ValueError(f"{name} is on {x.device} but q is on {device}; all tensors must share one device")
+    if max_logits is not None and H > 1 and max_logits.stride(1) != 1:
+        raise ValueError(f"max_logits must have contiguous heads (stride 1 along dim 1), got strides {max_logits.stride()}")
+    return None if attn_sink is None else attn_sink.contiguous()
+
+
 def _grouped_forward(p, G: int, ws: SparseMLAWorkspace, out: torch.Tensor, lse: torch.Tensor | None,
-                     guard: float | None) -> None:
+                     guard: float | None, extras: dict) -> None:
     """Plan groups, build unions, run the grouped kernel, then the per-token kernel on the rest."""
     T = p.num_tokens
     n_groups = ws.max_groups if p.cu_seqlens_q is not None else -(-T // G)
@@ -133,8 +172,8 @@ def _grouped_forward(p, G: int, ws: SparseMLAWorkspace, out: torch.Tensor, lse: 
     plan_groups(T, G, p.cu_seqlens_q, gs, gl, route)
     union_backends.build_union(p.indices, p.topk_length, p.num_kv_rows, G, gs, gl, route, ws, ws.union_rows,
                                ws.union_bits, ul, guard_ratio=guard)
-    mqa_backends.grouped(p.q, p.kv, p.sm_scale, G, ws.union_rows, ws.union_bits, ul, gs, gl, out, lse)
-    mqa_backends.per_token(p.q, p.kv, p.indices, p.sm_scale, p.topk_length, out, lse, route=route)
+    mqa_backends.grouped(p.q, p.kv, p.sm_scale, G, ws.union_rows, ws.union_bits, ul, gs, gl, out, lse, **extras)
+    mqa_backends.per_token(p.q, p.kv, p.indices, p.sm_scale, p.topk_length, out, lse, route=route, **extras)
 
 
 @dataclass

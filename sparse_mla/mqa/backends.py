@@ -135,33 +135,59 @@ def describe_for_device(device: torch.device | None = None, dtype: torch.dtype =
     return f"attention backend: gluon_sm90 ({why})" if ok else f"attention backend: triton (gluon_sm90 does not apply: {why})"
 
 
-def per_token(q, kv, indices, sm_scale: float, topk_length, out, lse, route=None) -> str:
+def _sink_fallback(name: str, why: str, attn_sink, max_logits) -> tuple[str, str, dict]:
+    """(backend, reason, extra launch kwargs) once attn_sink / max_logits are asked for: the Gluon kernel
+    takes them when ``gluon_sm90.SUPPORTS_SINK`` is true (launch kwargs ``attn_sink=``, ``max_logits=``);
+    until then "auto" falls back to Triton and a forced gluon_sm90 raises."""
+    if attn_sink is None and max_logits is None:
+        return name, why, {}
+    extra = {"attn_sink": attn_sink, "max_logits": max_logits}
+    if name != "gluon_sm90":
+        return name, why, extra
+    from . import gluon_sm90
+
+    if getattr(gluon_sm90, "SUPPORTS_SINK", False):
+        return name, why, extra
+    missing = "the Gluon kernel does not take attn_sink / max_logits yet (gluon_sm90.SUPPORTS_SINK is false)"
+    if (os.environ.get(ENV_VAR, "auto").strip() or "auto") == "gluon_sm90":
+        raise ValueError(f"{ENV_VAR}=gluon_sm90 but {missing}")
+    return "triton", missing, extra
+
+
+def per_token(q, kv, indices, sm_scale: float, topk_length, out, lse, route=None, *,
+              attn_sink=None, max_logits=None) -> str:
     """Per-token sparse MQA on validated tensors (``sparse_mla.interface.sparse_mla_fwd``): picks the
-    backend, logs it, launches, and returns the backend's name."""
-    name, why = select_backend(q, kv, out)
+    backend, logs it, launches, and returns the backend's name.
+
+    attn_sink: [H] fp32 contiguous or None; max_logits: [T, H] fp32 (heads contiguous) or None, written
+    when given. Semantics: ``sparse_mla.mqa.reference`` / ``triton_tl`` (module docstrings)."""
+    name, why, extra = _sink_fallback(*select_backend(q, kv, out), attn_sink, max_logits)
     logger.debug("sparse MQA per-token: backend %s (%s)", name, why)
     if name == "gluon_sm90":
         from . import gluon_sm90
 
         gluon_sm90.launch(q, kv, indices, None, topk_length, None, None, route, out, lse, sm_scale,
-                          grouped=False, num_lists=q.shape[0], group_heads=q.shape[1])
+                          grouped=False, num_lists=q.shape[0], group_heads=q.shape[1], **extra)
     else:
-        triton_tl.sparse_mqa_per_token(q, kv, indices, sm_scale, topk_length, out, lse, route=route)
+        triton_tl.sparse_mqa_per_token(q, kv, indices, sm_scale, topk_length, out, lse, route=route, **extra)
     return name
 
 
 def grouped(q, kv, sm_scale: float, group_size: int, union_rows, union_bits, union_len, group_start, group_len,
-            out, lse) -> str:
+            out, lse, *, attn_sink=None, max_logits=None) -> str:
     """Grouped sparse MQA (128 pseudo-heads = G queries x H heads over each group's union rows) on
-    validated tensors; picks the backend, logs it, launches, and returns the backend's name."""
-    name, why = select_backend(q, kv, out, pseudo_heads=group_size * q.shape[1])
+    validated tensors; picks the backend, logs it, launches, and returns the backend's name.
+    attn_sink / max_logits as in ``per_token`` (pseudo-head p of a group uses attn_sink[p % H])."""
+    name, why, extra = _sink_fallback(*select_backend(q, kv, out, pseudo_heads=group_size * q.shape[1]),
+                                      attn_sink, max_logits)
     logger.debug("sparse MQA grouped: backend %s (%s)", name, why)
     if name == "gluon_sm90":
         from . import gluon_sm90
 
         gluon_sm90.launch(q, kv, union_rows, union_bits, union_len, group_start, group_len, None, out, lse,
-                          sm_scale, grouped=True, num_lists=group_start.shape[0], group_heads=group_size * q.shape[1])
+                          sm_scale, grouped=True, num_lists=group_start.shape[0], group_heads=group_size * q.shape[1],
+                          **extra)
     else:
         triton_tl.sparse_mqa_grouped(q, kv, sm_scale, group_size, union_rows, union_bits, union_len, group_start,
-                                     group_len, out, lse)
+                                     group_len, out, lse, **extra)
     return name

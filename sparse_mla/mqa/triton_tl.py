@@ -13,7 +13,11 @@ plus [BLOCK_N, 64] RoPE part when D_qk = 576), with an online softmax in base 2.
   sorted union rows of the group, and a row counts for query i only where bit i of its
   membership word is set. ``group_len[g] == 0`` means "not grouped" and the program returns.
 
-Both modes compute exactly the per-token definition of ``sparse_mla.mqa.reference``.
+Both modes compute exactly the per-token definition of ``sparse_mla.mqa.reference``, in the same
+pass: ``lse`` and ``max_logits`` (optional [T, H] fp32 outputs) come from the online softmax's final
+row max m and sum l, and an optional per-head ``attn_sink`` [H] fp32 adds exp(attn_sink[h]) to the
+denominator of out (in base 2: l + exp2(attn_sink[h] * log2(e) - m)), leaving lse and max_logits as
+they are. A pseudo-head with no valid row stores out 0, lse -inf, max_logits -inf.
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ D_PE = 64
 
 @triton.jit
 def _sparse_mqa_fwd_kernel(
-    Q, KV, IDX, TOPK_LEN, ROWS, BITS, ULEN, GROUP_START, GROUP_LEN, ROUTE, OUT, LSE,
-    stride_qt, stride_qh, stride_kvn, stride_it, stride_rg, stride_ot, stride_oh, stride_lt,
+    Q, KV, IDX, TOPK_LEN, ROWS, BITS, ULEN, GROUP_START, GROUP_LEN, ROUTE, OUT, LSE, SINK, MAX_LOGITS,
+    stride_qt, stride_qh, stride_kvn, stride_it, stride_rg, stride_ot, stride_oh, stride_lt, stride_mt,
     N, H, K, scale_log2,
     GROUPED: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, HAS_ROUTE: tl.constexpr,
     HAS_PE: tl.constexpr, GROUP_HEADS: tl.constexpr,
@@ -94,13 +98,24 @@ def _sparse_mqa_fwd_kernel(
             acc = tl.dot(p.to(kv_nope.dtype), kv_nope, acc)
             m_i = m_new
 
+        # l_i > 0 iff the pseudo-head saw a valid row (the row holding the max contributes exp2(0) = 1).
         has_any = l_i > 0.0
-        out = acc / tl.where(has_any, l_i, 1.0)[:, None]
+        denom = tl.where(has_any, l_i, 1.0)
+        if SINK is not None:
+            # The sink as one more key of value 0: exp2(sink * log2 e - m) in the row's scale; -inf adds 0,
+            # +inf makes the denominator inf (out 0). A row with no valid key keeps out 0 (acc is 0).
+            sink = tl.load(SINK + hh, mask=p_ok, other=float("-inf"))
+            denom = denom + tl.where(has_any, tl.math.exp2(sink * 1.4426950408889634 - tl.where(has_any, m_i, 0.0)), 0.0)
+        out = acc / denom[:, None]
         o_row = OUT + tok * stride_ot + hh * stride_oh
         tl.store(o_row[:, None] + offs_v[None, :], out.to(OUT.dtype.element_ty), mask=p_ok[:, None])
         if LSE is not None:
             lse = tl.where(has_any, (m_i + tl.math.log2(tl.where(has_any, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
             tl.store(LSE + tok * stride_lt + hh, lse, mask=p_ok)
+        if MAX_LOGITS is not None:
+            # m_i is max_j(sm_scale * log2(e) * q . k_j); back to natural units.
+            max_logit = tl.where(has_any, m_i / 1.4426950408889634, float("-inf"))
+            tl.store(MAX_LOGITS + tok * stride_mt + hh, max_logit, mask=p_ok)
 
 
 def block_m_for_heads(num_pseudo_heads: int) -> int:
@@ -124,13 +139,16 @@ def _launch_config(block_m: int, config: tuple[int, int, int] | None) -> tuple[i
 def sparse_mqa_per_token(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
     topk_length: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor | None,
-    route: torch.Tensor | None = None, config: tuple[int, int, int] | None = None,
+    route: torch.Tensor | None = None, config: tuple[int, int, int] | None = None, *,
+    attn_sink: torch.Tensor | None = None, max_logits: torch.Tensor | None = None,
 ) -> None:
     """Launch the per-token kernel on validated inputs (see ``sparse_mla_fwd``).
 
     q [T, H, D_qk], kv [N, D_qk], indices [T, K] int32, out [T, H, 512] (written),
     lse [T, H] fp32 or None, route [T] int8/int32 or None (0 = skip the token);
-    config overrides (BLOCK_N, num_warps, num_stages) for tuning.
+    config overrides (BLOCK_N, num_warps, num_stages) for tuning. attn_sink [H] fp32 contiguous
+    or None; max_logits [T, H] fp32 (row stride ``max_logits.stride(0)``, heads contiguous) or
+    None (written when given); semantics in the module docstring.
     """
     T, H, D = q.shape
     if T == 0:
@@ -141,9 +159,9 @@ def sparse_mqa_per_token(
     dummy = indices
     _sparse_mqa_fwd_kernel[grid](
         q, kv, indices, topk_length if topk_length is not None else dummy, dummy, dummy, dummy, dummy, dummy,
-        route if route is not None else dummy, out, lse,
+        route if route is not None else dummy, out, lse, attn_sink, max_logits,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), 0, out.stride(0), out.stride(1),
-        lse.stride(0) if lse is not None else 0,
+        lse.stride(0) if lse is not None else 0, max_logits.stride(0) if max_logits is not None else 0,
         kv.shape[0], H, indices.shape[1], sm_scale * LOG2E,
         GROUPED=False, HAS_TOPK_LEN=topk_length is not None, HAS_ROUTE=route is not None,
         HAS_PE=D > D_V, GROUP_HEADS=H,
@@ -156,13 +174,15 @@ def sparse_mqa_grouped(
     q: torch.Tensor, kv: torch.Tensor, sm_scale: float, group_size: int,
     union_rows: torch.Tensor, union_bits: torch.Tensor, union_len: torch.Tensor,
     group_start: torch.Tensor, group_len: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
-    block_m: int | None = None, config: tuple[int, int, int] | None = None,
+    block_m: int | None = None, config: tuple[int, int, int] | None = None, *,
+    attn_sink: torch.Tensor | None = None, max_logits: torch.Tensor | None = None,
 ) -> None:
     """Launch the grouped kernel: one program per (pseudo-head block, group).
 
     union_rows / union_bits [num_groups, U] int32, union_len / group_start / group_len
     [num_groups] int32 (group_len 0 = the group is not run here). block_m: pseudo-heads per
     program (default ``block_m_for_heads``; 128 puts a whole 128-row group in one program).
+    attn_sink / max_logits as in ``sparse_mqa_per_token`` (pseudo-head p uses attn_sink[p % H]).
     """
     T, H, D = q.shape
     num_groups = group_start.shape[0]
@@ -174,8 +194,9 @@ def sparse_mqa_grouped(
     grid = (num_groups, triton.cdiv(pseudo, block_m))
     _sparse_mqa_fwd_kernel[grid](
         q, kv, union_rows, union_rows, union_rows, union_bits, union_len, group_start, group_len, group_len, out, lse,
+        attn_sink, max_logits,
         q.stride(0), q.stride(1), kv.stride(0), 0, union_rows.stride(0), out.stride(0), out.stride(1),
-        lse.stride(0) if lse is not None else 0,
+        lse.stride(0) if lse is not None else 0, max_logits.stride(0) if max_logits is not None else 0,
         kv.shape[0], H, union_rows.shape[1], sm_scale * LOG2E,
         GROUPED=True, HAS_TOPK_LEN=False, HAS_ROUTE=False,
         HAS_PE=D > D_V, GROUP_HEADS=pseudo,
