@@ -342,7 +342,7 @@ def test_every_head_count_gpu(case, mqa_backend):
     run_case(case, mqa_backend)
 
 
-@pytest.mark.parametrize("h_q, d_qk", [(128, 576), (64, 512), (16, 576)])
+@pytest.mark.parametrize("h_q, d_qk", [(128, 576), (128, 512), (64, 576), (64, 512), (16, 576)])
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="70000 tokens run on a CUDA GPU")
 def test_many_tokens_gpu(h_q, d_qk, mqa_backend):
