@@ -31,8 +31,11 @@ def test_auto_picks_gluon_on_hopper(hopper):
 
 
 def test_few_heads_per_tile_stay_on_triton(hopper):
-    name, why = backends.select_backend(*_qkv(H=16))
+    T = backends.GLUON_FEW_HEADS_MAX_TOKENS + 1
+    q, kv = torch.zeros(T, 16, 576, dtype=torch.bfloat16), torch.zeros(100, 576, dtype=torch.bfloat16)
+    name, why = backends.select_backend(q, kv)
     assert name == "triton" and "pseudo-heads per tile" in why
+    assert backends.select_backend(q[: T - 1], kv)[0] == "gluon_sm90"  # a short step fills more of the GPU this way
 
 
 @pytest.mark.parametrize("cap", [(8, 0), (10, 0), (12, 0)])

@@ -109,14 +109,15 @@ def _fit_bucket(cur: HeadsThresholds, pts: list[tuple[PrefillStep, dict[str, flo
         slow = _slowdowns(pts, (c,))
         grouped = c.grouped_min_tokens < NEVER
         return (max(slow), sum(slow) / len(slow), c.masked_max_ratio_pure + c.masked_max_ratio_cached,
-                -c.masked_max_window, grouped, min(c.grouped_max_tokens, 2**40) - c.grouped_min_tokens)
+                -c.masked_max_window, grouped, c.grouped_cached, min(c.grouped_max_tokens, 2**40) - c.grouped_min_tokens)
 
     best = replace(cur, grouped_min_tokens=NEVER, grouped_max_tokens=NEVER)
     bands = [(NEVER, NEVER)] + [(a, b) for a in tokens for b in [*tokens, NEVER] if a <= b]
     for _ in range(2):  # coordinate descent: masked limits given the grouped band, then the band
         best = min((replace(best, masked_max_ratio_pure=rp, masked_max_ratio_cached=rc, masked_max_window=w)
                     for rp, rc, w in itertools.product([0.0, *pure], [0.0, *cached], [*windows, NEVER])), key=key)
-        best = min((replace(best, grouped_min_tokens=a, grouped_max_tokens=b) for a, b in bands), key=key)
+        best = min((replace(best, grouped_min_tokens=a, grouped_max_tokens=b, grouped_cached=gc)
+                    for a, b in bands for gc in (False, True)), key=key)
     # place every limit between the last measured point it admits and the next one
     rp = _limit(best.masked_max_ratio_pure, pure)
     rc = _limit(best.masked_max_ratio_cached, cached)

@@ -10,10 +10,10 @@ Automatic order (the first that applies wins):
    MQA work over the top-k (``THRESHOLDS``: one row per heads-per-rank bucket, with one limit for
    pure prefills and one for steps with a cached prefix) and no window exceeds the row's
    ``masked_max_window``.
-3. ``mqa_grouped`` when H <= 64 (two or more queries per 128-row tile), no request has a cached
-   prefix, and the step has between the row's ``grouped_min_tokens`` and ``grouped_max_tokens``
-   new tokens (grouping pays where the early tokens' windows are short: their unions are nearly
-   free; behind a cached prefix every window exceeds topk and the union build costs more than it saves).
+3. ``mqa_grouped`` when H <= 64 (two or more queries per 128-row tile) and the step has between the
+   row's ``grouped_min_tokens`` and ``grouped_max_tokens`` new tokens, on pure prefills, and behind a
+   cached prefix too where the row's ``grouped_cached`` says so (measured with the Gluon attention and
+   the shared-memory union: grouping pays at 16 / 32 heads on long steps with or without a cache).
 4. ``mqa_per_token``.
 5. Any path whose ``supports`` holds (e.g. masked MHA for dims the MQA kernels do not take).
 
@@ -64,6 +64,7 @@ class HeadsThresholds:
     masked_max_window: int  # and no request window (cached + new) is longer than this
     grouped_min_tokens: int  # grouped sparse MQA (else per token) on pure prefills from this many new tokens ...
     grouped_max_tokens: int = NEVER  # ... up to this many
+    grouped_cached: bool = False  # ... and in that band behind a cached prefix too
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,22 +74,21 @@ class HeadsThresholds:
 # best path on every measured point; tests/test_dispatch.py re-checks that on the committed JSON.
 # grouped_min_tokens = NEVER turns grouping off for a bucket; path="mqa_grouped" still forces it.
 # ---------------------------------------------------------------------------------------------
-# results/sweep_paths.json (measured at rev 0aa390d: python scripts/sweep_paths.py --budget-s 300):
-# 120 points, 3 layouts, 16-128 heads, 1K-64K pure prompts and 2K-28K cached prefixes. This table is
-# fit_thresholds' answer on it; the automatic choice is then the best measured path (within the
-# timing noise, worst 1.00x) at every point. Grouping pays only at 16 heads for 6K-11K-token steps
-# (the union of the early tokens' short windows is nearly free); beyond, its union build costs
-# more than it saves (NOTES-GPU.md). Each limit sits halfway (geometric) between the last measured
-# win and the first loss; at 128 heads those gaps are wide (pure: won at 0.39, lost at 0.67; cached:
-# won at 0.44, lost at 0.88), which is why its cached limit ends up above its pure one.
+# results/sweep_paths.json (measured at rev a704472 with the Gluon attention and the CUDA shared-memory union:
+# python scripts/sweep_paths.py --budget-s 240): 120 points, 3 layouts, 16-128 heads, 1K-64K pure prompts and
+# 2K-28K cached prefixes. This table is fit_thresholds' answer on it; the automatic choice is then the best
+# measured path (within the timing noise, worst 1.00x) at every point. With both new kernels grouping pays
+# at 16 and 32 heads from a few thousand tokens on, behind a cached prefix too (1.2-1.7x over per token at
+# 16K-64K); at 64 heads (G = 2) only for 3K-5.6K-token pure prefills; never at 128 heads (G = 1). Each limit
+# sits halfway (geometric) between the last measured win and the first loss.
 THRESHOLDS: tuple[HeadsThresholds, ...] = (
-    HeadsThresholds(16, masked_max_ratio_pure=1.109, masked_max_ratio_cached=0.814, masked_max_window=65536,
-                    grouped_min_tokens=5888, grouped_max_tokens=11520),
-    HeadsThresholds(32, masked_max_ratio_pure=0.67, masked_max_ratio_cached=0.559, masked_max_window=65536,
-                    grouped_min_tokens=NEVER),
-    HeadsThresholds(64, masked_max_ratio_pure=0.67, masked_max_ratio_cached=0.559, masked_max_window=65536,
-                    grouped_min_tokens=NEVER),
-    HeadsThresholds(128, masked_max_ratio_pure=0.514, masked_max_ratio_cached=0.624, masked_max_window=65536,
+    HeadsThresholds(16, masked_max_ratio_pure=0.67, masked_max_ratio_cached=0.814, masked_max_window=65536,
+                    grouped_min_tokens=3072, grouped_max_tokens=NEVER, grouped_cached=True),
+    HeadsThresholds(32, masked_max_ratio_pure=0.43, masked_max_ratio_cached=0.559, masked_max_window=65536,
+                    grouped_min_tokens=1536, grouped_max_tokens=NEVER, grouped_cached=True),
+    HeadsThresholds(64, masked_max_ratio_pure=0.43, masked_max_ratio_cached=0.0, masked_max_window=65536,
+                    grouped_min_tokens=3072, grouped_max_tokens=5632),
+    HeadsThresholds(128, masked_max_ratio_pure=0.514, masked_max_ratio_cached=0.0, masked_max_window=65536,
                     grouped_min_tokens=NEVER),
 )
 
@@ -192,15 +192,16 @@ def auto_path(step: PrefillStep, sup: dict[str, tuple[bool, str]], ratio: float,
                       f"MHA/sparse work ratio {ratio:.2f} > {limit} ({kind})" if ratio > limit else
                       f"longest window {step.max_window} > {max_win}")
     lo, hi = row.grouped_min_tokens, row.grouped_max_tokens
-    band = f"[{lo}, {hi}] (pure prefills)" if lo < NEVER else "(grouping off for this many heads)"
-    if sup["mqa_grouped"][0] and lo <= step.num_tokens <= hi and not has_cached_prefix(step):
+    scope = "pure prefills and cached prefixes" if row.grouped_cached else "pure prefills"
+    band = f"[{lo}, {hi}] ({scope})" if lo < NEVER else "(grouping off for this many heads)"
+    if sup["mqa_grouped"][0] and lo <= step.num_tokens <= hi and (row.grouped_cached or not has_cached_prefix(step)):
         return "mqa_grouped", (f"H = {step.num_heads} <= 64 and T = {step.num_tokens} in {band}; "
                                f"not masked MHA: {why_not_masked}")
     if sup["mqa_per_token"][0]:
         if not sup["mqa_grouped"][0]:
             why_not_grouped = sup["mqa_grouped"][1]
-        elif has_cached_prefix(step):
-            why_not_grouped = "a cached prefix (grouping measured to pay on pure prefills only)"
+        elif has_cached_prefix(step) and not row.grouped_cached and lo <= step.num_tokens <= hi:
+            why_not_grouped = "a cached prefix (grouping measured to pay on pure prefills only at this many heads)"
         else:
             why_not_grouped = f"T = {step.num_tokens} not in {band}"
         return "mqa_per_token", f"not grouped: {why_not_grouped}; not masked MHA: {why_not_masked}"

@@ -83,6 +83,11 @@ def gluon_sm90_applies(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | No
 # Measured on the H200 (results/gluon-v3.json, per token, T 8192, topk 2048): 16 heads Gluon 5.47 ms vs Triton
 # 4.14 ms; 32 heads 5.55 vs 5.82 ms; 64 heads 6.10 vs 9.29 ms. Grouped tiles hold G * H = 128 pseudo-heads.
 GLUON_MIN_PSEUDO_HEADS = 32
+# ... except on short steps, where the Triton kernel's 16-row programs are too few to fill the GPU and the Gluon
+# kernel's pipelining wins even on a 3/4-empty tile: the layer bench (results/bench.json, rev a704472) ran 32K
+# cached + 256 / + 900 new tokens at 16 heads in 0.70 / 0.79 ms with Gluon on q padded to 64 heads against
+# 0.93 / 0.97 ms per token with Triton. Between 900 and 8192 tokens nothing was measured; 1024 is the measured win.
+GLUON_FEW_HEADS_MAX_TOKENS = 1024
 
 
 def select_backend(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None = None,
@@ -90,7 +95,8 @@ def select_backend(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None =
     """(backend, reason) for a launch on these tensors, honouring ``SPARSE_MLA_MQA_BACKEND``.
 
     ``pseudo_heads``: rows of one attention tile (H per token; G * H grouped; default H). Automatic
-    selection takes the Gluon kernel only from ``GLUON_MIN_PSEUDO_HEADS`` up.
+    selection takes the Gluon kernel from ``GLUON_MIN_PSEUDO_HEADS`` up, and below that only for steps of at
+    most ``GLUON_FEW_HEADS_MAX_TOKENS`` tokens.
 
     Raises:
         ValueError: the variable names an unknown backend, or forces one that does not apply here.
@@ -108,9 +114,10 @@ def select_backend(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None =
     if not ok:
         return "triton", f"gluon_sm90 does not apply: {why}"
     rows = q.shape[1] if pseudo_heads is None else pseudo_heads
-    if rows < GLUON_MIN_PSEUDO_HEADS:
-        return "triton", (f"{rows} pseudo-heads per tile < {GLUON_MIN_PSEUDO_HEADS}: the Triton kernel's smaller tiles "
-                          "are faster there (H200, results/gluon-v3.json)")
+    if rows < GLUON_MIN_PSEUDO_HEADS and q.shape[0] > GLUON_FEW_HEADS_MAX_TOKENS:
+        return "triton", (f"{rows} pseudo-heads per tile < {GLUON_MIN_PSEUDO_HEADS} on {q.shape[0]} > "
+                          f"{GLUON_FEW_HEADS_MAX_TOKENS} tokens: the Triton kernel's smaller tiles are faster there "
+                          "(H200, results/gluon-v3.json)")
     return "gluon_sm90", why
 
 
