@@ -20,6 +20,7 @@ from lib import (
     DEVICE,
     DTYPE,
     adversarial_indices,
+    all_of,
     assert_grids_within_cuda_limits,
     assert_matches_reference,
     assert_same_result,
@@ -206,7 +207,7 @@ def test_huge_kv_rows_end_to_end(N):
     base = base[torch.randperm(T * K, generator=g)].view(T, K).to(torch.int32)
     idx = adversarial_indices(T, K, N, base=base, generator=g, patterns=("clean", "pad_middle", "sentinels"))
     # rows must be distinct within a list; random draws over 2**28 collide with negligible probability
-    assert all(len(set(r.tolist())) == K for r in base)
+    assert all_of(len(set(r.tolist())) == K for r in base)
     q = torch.randn(T, H, 576, generator=g).to(DTYPE).to(DEVICE)
     idx = idx.to(DEVICE)
     ws = SparseMLAWorkspace.for_problem(T, K, H, N, DEVICE)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lib import DEVICE, DTYPE, HAS_CUDA, assert_matches_reference, make_problem, neighbour_rows, poisoned_out
+from lib import DEVICE, DTYPE, HAS_CUDA, all_of, assert_matches_reference, make_problem, neighbour_rows, poisoned_out
 
 from sparse_mla import SparseMLAWorkspace, sparse_mla_fwd, sparse_mla_ref
 from sparse_mla.integration import ops  # noqa: F401  (registers torch.ops.sparse_mla.*)
@@ -169,7 +169,7 @@ def test_step_shape_reps_cover_every_step_shape(G, ws_groups):
     assert len(warmed) == len(reps), "one representative per class"
     needed = {key(T, B) for T in range(1, max_tokens + 1) for B in [None, *range(1, max_requests + 1)]}
     assert needed == warmed, f"not warmed: {sorted(needed - warmed, key=str)[:5]}"
-    assert all(T <= max_tokens and (B is None or B <= max_requests) for T, B in reps)
+    assert all_of((T <= max_tokens and (B is None or B <= max_requests) for T, B in reps), "step_shape_reps")
 
 
 def test_converter_kernel_declares_unspecialized_sizes():

@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from lib import DEVICE, DTYPE, INT_MAX, INT_MIN, TOLERANCE, assert_matches_reference, make_problem, rel_err
+from lib import DEVICE, DTYPE, INT_MAX, INT_MIN, TOLERANCE, assert_matches_reference, assert_same_result, make_problem
 
 from sparse_mla.bench.shardq import VARIANTS, plot_shardq, print_shardq_table, run_shardq_bench
 from sparse_mla.distributed import (
@@ -317,8 +317,8 @@ def _run_case(case: Case, rank: int, W: int, backend: Backend) -> None:
             if case.return_lse:
                 assert torch.equal(full_lse[:n], single[1])
         else:  # different groups, same per-query result up to fp32 summation order
-            assert rel_err(full_out[:n], single[0]) < TOLERANCE[dtype]
-            assert torch.equal(torch.isinf(full_lse[:n]), torch.isinf(single[1]))
+            assert_same_result(full_out[:n], full_lse[:n] if case.return_lse else None, single[0],
+                               single[1] if case.return_lse else None, dtype)
         full_ref, full_ref_lse = sparse_mla_ref(q[:n], kv, indices[:n], scale,
                                                 topk_length=None if topk_length is None else topk_length[:n])
         assert_matches_reference(full_out[:n], full_lse[:n] if case.return_lse else None, full_ref, full_ref_lse,
@@ -458,12 +458,14 @@ def test_run_shardq_bench_on_gloo_ranks(tmp_path, monkeypatch, capsys):
         assert (r["model"], r["tp"], r["tokens"], r["heads"], r["heads_per_rank"]) == ("glm-5", 2, 40, 64, 32)
         for key in ("total_ms", "attn_ms", "xchg_q_ms", "xchg_out_ms", "tflops", "union_g"):
             assert math.isfinite(r[key]) and r[key] >= 0, (r["variant"], key, r[key])
-        assert r["err_vs_ref"] < 1e-2 and r["err_vs_tp"] < 1e-2 and not r["nan"] and r["check_ok"], r
+        tol = TOLERANCE[torch.float16]  # gloo ranks run the interpreter in fp16: the library's fp16 tolerance
+        assert r["err_vs_ref"] < tol and r["err_vs_tp"] < tol and not r["nan"] and r["check_ok"], r
         assert (r["xchg_q_ms"] > 0) == (r["path"] == "shardq")
     (s,) = doc["summary"]
     assert s["tokens"] == 40 and s["speedup"] > 0 and s["tp_best_variant"].startswith("tp/")
     meta = doc["meta"]
     assert meta["world_size"] == 2 and meta["backend"] == "gloo" and meta["nccl_nvls_enable"] == "0"
+    assert meta["check_limit"] == TOLERANCE[torch.float16]
     assert meta["dtype"] == "torch.float16" and "synthetic_topk" in meta["topk_source"] and meta["git_revision"]
     print_shardq_table(rows)
     assert "shardq/grouped" in capsys.readouterr().out

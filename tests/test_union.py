@@ -29,6 +29,7 @@ from lib import (
     INT_MAX,
     INT_MIN,
     adversarial_indices,
+    all_of,
     colliding_rows,
     cu_seqlens,
     cuda_smem_unavailable,
@@ -121,11 +122,11 @@ def test_union_matches_sets(G, T, K, N, kind, padded, with_topk_length, union_ba
         idx, topk_length = garbage_topk_length(idx.contiguous(), N, generator=g)
     expected = check_union(idx, G, topk_length=topk_length, num_kv_rows=N)
     if kind == "identical":
-        assert all(len(r) == K and set(b) == {(1 << min(G, T - i * G)) - 1} for i, (r, b) in enumerate(expected))
+        assert all_of(len(r) == K and set(b) == {(1 << min(G, T - i * G)) - 1} for i, (r, b) in enumerate(expected))
     if kind == "disjoint" and not padded:
-        assert all(len(r) == K * min(G, T - i * G) for i, (r, _) in enumerate(expected))
+        assert all_of(len(r) == K * min(G, T - i * G) for i, (r, _) in enumerate(expected))
     if kind == "all_invalid":
-        assert all(len(r) == 0 for r, _ in expected)
+        assert all_of(len(r) == 0 for r, _ in expected)
 
 
 @pytest.mark.parametrize("G, N", [
@@ -530,7 +531,7 @@ def test_step_builder_matches_reference(case, backend):
     if slots is not None and backend != "triton":  # the table case must see both outcomes
         assert {e["overflow"] for e in expected} == {True, False}, [len(e["union"]) for e in expected]
     if base_row:
-        assert all(min(e["union"], default=base_row) >= base_row for e in expected)
+        assert all_of(min(e["union"], default=base_row) >= base_row for e in expected)
 
 
 CUDA_BACKENDS = [p for p in STEP_BACKENDS if p.values[0] != "triton"]
@@ -578,7 +579,7 @@ def test_cuda_builder_full_size(backend, G, overlap, guard):
     expected = check_builder(backend, b.indices, b.valid, N, G, [2 * G], overlap_guard_ratio(G) if guard else None)
     sizes = [len(e["union"]) for e in expected]
     if overlap == "none":
-        assert all(e["overflow"] for e in expected), sizes
+        assert all_of(e["overflow"] for e in expected), sizes
     else:
         assert not any(e["overflow"] or e["guarded"] for e in expected), sizes
 
@@ -687,8 +688,8 @@ def test_cuda_builder_in_a_cuda_graph():
         got_rows = canonical_rows(ws, n)
         step()
         torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip(got, (ws.union_len[:n], ws.group_len[:n], ws.route[:T])))
-        assert all(torch.equal(a, b) for a, b in zip(got_rows, canonical_rows(ws, n)))
+        assert all_of(torch.equal(a, b) for a, b in zip(got, (ws.union_len[:n], ws.group_len[:n], ws.route[:T])))
+        assert all_of(torch.equal(a, b) for a, b in zip(got_rows, canonical_rows(ws, n)))
 
 
 def canonical_rows(ws, n):

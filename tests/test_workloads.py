@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from lib import DEVICE
+from lib import DEVICE, all_of
 
 from sparse_mla.workloads import (
     MODELS,
@@ -313,7 +313,7 @@ def test_trace_stats_table(tmp_path):
     save_trace(path, traces)
     rows = topk_stats_table(str(path), (2, 4))
     assert [(r["layer"], r["G"]) for r in rows] == [(1, 2), (1, 4), (4, 2), (4, 4)]
-    assert all(tuple(r) == TOPK_STATS_COLUMNS for r in rows)
+    assert all_of(tuple(r) == TOPK_STATS_COLUMNS for r in rows)
     expect = union_ratio(traces[1].topk, traces[1].valid, 4)
     assert rows[3]["ratio_mean"] == pytest.approx(expect.ratio_mean) and rows[3]["groups"] == expect.num_groups
     assert rows[3]["tokens"] == traces[1].topk.shape[0] and rows[3]["topk"] == 16

@@ -16,6 +16,21 @@ from .inputs import sub_problem
 
 Chunk = tuple[int, int, torch.Tensor]  # (lo, hi, reference o [hi - lo, H, v_head_dim] fp32)
 
+# Relative Frobenius error a benchmarked result may have against the fp32 reference, per q / kv dtype:
+# a few unit roundoffs of the dtype (u = 2^-8 bf16, 2^-11 fp16; tests/lib.py TOLERANCE is the same table).
+CHECK_TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
+
+
+def check_tolerance(dtype: torch.dtype) -> float:
+    """``CHECK_TOLERANCE`` of ``dtype``.
+
+    Raises:
+        ValueError: a dtype without a tolerance.
+    """
+    if dtype not in CHECK_TOLERANCE:
+        raise ValueError(f"no check tolerance for dtype {dtype}; one of {list(CHECK_TOLERANCE)}")
+    return CHECK_TOLERANCE[dtype]
+
 
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     """||x - ref||_F / ||ref||_F in fp32 (the absolute error when ref is all zero); NaN in x gives NaN."""
@@ -52,4 +67,4 @@ def max_rel_err(out: torch.Tensor, refs: list[Chunk]) -> float:
     return max(errs, default=float("nan"))
 
 
-__all__ = ["rel_err", "chunk_bounds", "reference_chunks", "max_rel_err"]
+__all__ = ["rel_err", "chunk_bounds", "reference_chunks", "max_rel_err", "CHECK_TOLERANCE", "check_tolerance"]

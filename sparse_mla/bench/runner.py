@@ -35,13 +35,13 @@ from ..layer.config import causal_sums
 from ..layer.dispatch import PATH_NAMES, PATHS, sparse_work, work_ratio
 from ..workloads.traces import TopkTrace
 from .baselines import PAD64_NAME, mqa_per_token_pad64, pad64_supports
-from .check import chunk_bounds, max_rel_err, reference_chunks
+from .check import CHECK_TOLERANCE, check_tolerance, chunk_bounds, max_rel_err, reference_chunks
 from .inputs import layer_step, make_inputs, trace_inputs
 from .scenarios import Scenario
 from .timing import time_trials
 from .union_stats import union_stats
 
-CHECK_TOL = 1e-2  # relative Frobenius error a path may have against the fp32 reference (bf16 / fp16)
+CHECK_TOL = CHECK_TOLERANCE[torch.bfloat16]  # the bf16 figure; run_scenario's default is the dtype's (check.CHECK_TOLERANCE)
 PEAK_FLOPS = 790e12  # H200 dense bf16 tensor-core FLOP/s
 PEAK_BYTES = 4.3e12  # H200 HBM bytes/s (sustained)
 
@@ -91,7 +91,7 @@ def best_path(paths: dict[str, dict]) -> str | None:
 
 
 def run_scenario(sc: Scenario, *, dtype: torch.dtype, device: torch.device, overlap: str = "mid", seed: int = 0,
-                 trials: int = 1, trace: TopkTrace | None = None, tol: float = CHECK_TOL) -> dict:
+                 trials: int = 1, trace: TopkTrace | None = None, tol: float | None = None) -> dict:
     """Check and time every layer path of one scenario (module docstring).
 
     Args:
@@ -101,7 +101,8 @@ def run_scenario(sc: Scenario, *, dtype: torch.dtype, device: torch.device, over
         seed: inputs and synthetic lists.
         trials: timing trials per path (``timing.time_trials``).
         trace: an engine's top-k lists (topk [T, K], valid [T] int32) instead of synthetic ones.
-        tol: rel_err above which a path's check fails.
+        tol: rel_err at or above which a path's check fails; default the dtype's
+            (``check.CHECK_TOLERANCE``: 1e-2 bf16, 2e-3 fp16).
 
     Returns:
         JSON-ready dict (times in ms, rates in TFLOP/s; keys described in ``report.FIELD_NOTES``), with
@@ -112,6 +113,8 @@ def run_scenario(sc: Scenario, *, dtype: torch.dtype, device: torch.device, over
     """
     if not isinstance(trials, int) or isinstance(trials, bool) or trials < 1:
         raise ValueError(f"trials must be an int >= 1, got {trials!r}")
+    if tol is None:
+        tol = check_tolerance(dtype)
     if not isinstance(tol, (int, float)) or isinstance(tol, bool) or not 0 < tol < math.inf:
         raise ValueError(f"tol must be a finite number > 0, got {tol!r}")
     on_gpu = device.type == "cuda"
@@ -164,6 +167,7 @@ def run_scenario(sc: Scenario, *, dtype: torch.dtype, device: torch.device, over
         "chosen_speedup_vs_pad64": chosen.get("speedup_vs_pad64"),
         "best_path": best_path(paths),
         "max_rel_err": max(errs) if errs and all(e == e for e in errs) else float("nan"),
+        "check_tol": tol,
         "failures": failures,
         "paths": paths,
     }

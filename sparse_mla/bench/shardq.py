@@ -46,12 +46,13 @@ import torch.distributed as dist
 from ..workloads.models import MLAConfig, get_model
 from ..workloads.stats import union_ratio
 from ..workloads.topk import resolve_overlap
+from .check import CHECK_TOLERANCE, check_tolerance
 
 VARIANTS = ("tp/per_token", "tp/grouped", "shardq/per_token", "shardq/grouped")
 WARMUP_GPU = 2  # untimed iterations per variant on a GPU (Triton compilation, autotuning)
 FLUSH_BYTES = 256 * 2**20  # L2 flush before every iteration (H200 L2: 60 MiB)
 CHECK_ROWS = 64  # rows compared with the fp32 reference
-CHECK_LIMIT = 1e-2  # relative Frobenius error allowed (bf16 level) for ``check_ok``
+CHECK_LIMIT = CHECK_TOLERANCE[torch.bfloat16]  # bf16; the bench's check_ok uses its dtype's (check.check_tolerance)
 UNION_TAIL_ROWS = 4096
 FLOPS_FORMULA = "2 * H * sum_t K_valid(t) * (D_qk + d_v): all H heads, all T tokens, per-token FLOPs"
 # What the row keys mean (copied into the JSON's meta, so the file explains itself).
@@ -313,7 +314,7 @@ def _bench_point(cfg: MLAConfig, T: int, *, topk: int, overlap: str, trials: int
             dist.all_reduce(stats, op=dist.ReduceOp.MAX)
             err_tp, err_ref, nan = stats.tolist()
             row.update(err_vs_tp=err_tp, err_vs_ref=err_ref, nan=bool(nan),
-                       check_ok=not nan and err_tp < CHECK_LIMIT and err_ref < CHECK_LIMIT)
+                       check_ok=not nan and err_tp < check_tolerance(dtype) and err_ref < check_tolerance(dtype))
         rows.append(row)
     return rows
 
@@ -418,7 +419,7 @@ def run_shardq_bench(
                 f"{trials} timed iterations, median; total/attn max over ranks, xchg_out min over ranks"
                 if device.type == "cuda" else "host clock under TRITON_INTERPRET=1: not a performance number"),
         models=[[c.name, W] for c in configs], tokens=list(tokens), topk=topk, overlap=overlap, trials=trials,
-        warmup=warmup, seed=seed, check=check, check_limit=CHECK_LIMIT, min_tokens=min_tokens,
+        warmup=warmup, seed=seed, check=check, check_limit=check_tolerance(dtype), min_tokens=min_tokens,
     )
     return {"meta": meta, "results": rows, "summary": shardq_summary(rows)}
 
