@@ -137,7 +137,7 @@ if GLUON_IMPORT_ERROR is None:
         list_base = rows_ptr + gid.to(gl.int64) * row_stride
         bits_base = bits_ptr + gid.to(gl.int64) * row_stride
         m_i = gl.full([_BH], float("-inf"), gl.float32, layout=rows_s)
-        l_i = gl.zeros([_BH], gl.float32, layout=rows_o)
+        l_acc = gl.zeros([_BH, _BN], gl.float32, layout=s_l)
         o = gl.zeros([_BH, _DV], gl.float32, layout=o_l)
         s0 = gl.zeros([_BH, _BN], gl.float32, layout=s_l)
         for j in range(n_tiles):
@@ -166,11 +166,14 @@ if GLUON_IMPORT_ERROR is None:
                 m_new = gl.maximum(m_i, gl.max(s, axis=1))
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no valid row yet: avoid (-inf) - (-inf)
             p = gl.exp2(s - m_use[:, None])
-            alpha = gl.convert_layout(gl.exp2(m_i - m_use), rows_o)
+            alpha_s = gl.exp2(m_i - m_use)
+            alpha = gl.convert_layout(alpha_s, rows_o)
             m_i = m_new
             a_op = gl.convert_layout(p.to(dt), p_l)
             if not (ABLATE & 4):  # timing knob 4: no row sum
-                l_i = l_i * alpha + gl.convert_layout(gl.sum(a_op.to(gl.float32), axis=1), rows_o)  # rows summed
+                # fp32 P summed per thread (as FlashMLA and the Triton twin sum it), reduced across the
+                # warpgroups once, after the loop
+                l_acc = l_acc * alpha_s[:, None] + p
             if not (ABLATE & 16):  # timing knob 16: no O rescale
                 o = o * alpha[:, None]
             if not (ABLATE & 2):  # timing knob 2: no P.V
@@ -179,6 +182,7 @@ if GLUON_IMPORT_ERROR is None:
             gl.thread_barrier()  # every consumer warp is done reading stage st ...
             mbarrier.arrive(empty.index(st), count=1)  # ... before one thread releases it
         # epilogue: pseudo-head p -> (token, head); rows past the real pseudo-heads are never stored
+        l_i = gl.convert_layout(gl.sum(l_acc, axis=1), rows_o)
         p_o = mb * _BH + gl.arange(0, _BH, layout=rows_o)
         if GROUPED:
             tok = tok0 + p_o // H
