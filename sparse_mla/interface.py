@@ -18,8 +18,8 @@ from .mqa.triton_tl import D_V
 from .selection import overlap_guard_ratio, resolve_method
 from .union import backends as union_backends
 from .union.triton_tl import MAX_GROUP_SIZE, plan_groups
-from .validation import require_kernel_tensor, validate_sparse_mla_args
-from .workspace import SparseMLAWorkspace, default_group_size
+from .validation import require_kernel_tensor, validate_fwd_buffers, validate_sparse_mla_args
+from .workspace import SparseMLAWorkspace
 
 logger = logging.getLogger("sparse_mla")
 
@@ -106,19 +106,15 @@ def sparse_mla_fwd(
     )
     T, H, D = p.q.shape
     chosen, reason = resolve_method(method, H, T)
-    G = group_size if group_size is not None else default_group_size(H)
-    if chosen == "grouped" and not (1 <= G <= MAX_GROUP_SIZE and (G == 1 or G * H <= 128)):
-        raise ValueError(f"group_size must be in [1, {MAX_GROUP_SIZE}] with group_size * H <= 128, got {G} (H = {H})")
+    attn_sink = check_sink_and_max_logits(attn_sink, max_logits, T, H, q.device)
+    # out / lse / workspace / flags, every one before any launch (validation.validate_fwd_buffers)
+    G = validate_fwd_buffers(p, return_lse=return_lse, grouped=chosen == "grouped", group_size=group_size,
+                             overlap_guard=overlap_guard, out=out, lse=lse, workspace=workspace,
+                             extra_outputs={"max_logits": max_logits}, extra_inputs={"attn_sink": attn_sink})
     if out is None:
         out = torch.empty(T, H, d_v, dtype=q.dtype, device=q.device)
-    elif out.shape != (T, H, d_v) or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
-        raise ValueError(f"out must be [T, H, d_v] = [{T}, {H}, {d_v}] {q.dtype} on {q.device}, last dim contiguous; "
-                         f"got {tuple(out.shape)} {out.dtype}")
     if lse is None and return_lse:
         lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
-    elif lse is not None and (lse.shape != (T, H) or lse.dtype != torch.float32 or not lse.is_contiguous()):
-        raise ValueError(f"lse must be contiguous [T, H] = [{T}, {H}] float32, got {tuple(lse.shape)} {lse.dtype}")
-    attn_sink = check_sink_and_max_logits(attn_sink, max_logits, T, H, q.device)
     require_kernel_tensor("q", p.q)  # kv and out share its device and dtype
     logger.debug("sparse_mla_fwd: T=%d H=%d K=%d -> %s (%s)", T, H, p.topk, chosen, reason)
     if T == 0:

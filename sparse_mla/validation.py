@@ -438,6 +438,8 @@ def validate_fwd_buffers(
     out: torch.Tensor | None,
     lse: torch.Tensor | None,
     workspace: object | None,
+    extra_outputs: dict[str, torch.Tensor | None] | None = None,
+    extra_inputs: dict[str, torch.Tensor | None] | None = None,
 ) -> int:
     """The options and buffers of ``sparse_mla_fwd`` beyond ``validate_sparse_mla_args``, checked before
     any launch: types of the flags and numbers, ``out`` / ``lse`` (shape, dtype, device, layout, no
@@ -445,7 +447,9 @@ def validate_fwd_buffers(
 
     Args:
         p: the validated problem. grouped: whether the grouped method runs (group_size and the
-            workspace's fit matter only then). The rest: as ``sparse_mla_fwd``.
+            workspace's fit matter only then). extra_outputs / extra_inputs: other buffers the
+            kernels write / read, already checked for shape and dtype (e.g. max_logits / attn_sink):
+            an output must not overlap itself or any other buffer. The rest: as ``sparse_mla_fwd``.
 
     Returns:
         G, the group size the call uses (``group_size`` or ``default_group_size(H)``).
@@ -479,9 +483,13 @@ def validate_fwd_buffers(
     if lse is not None:
         check_tensor("lse", lse, dims="[T, H]", shape=(T, H), dtype=torch.float32, device=dev, layout="contiguous",
                      writable=True)
-    require_disjoint({"out": out, "lse": lse},
+    for name, x in (extra_outputs or {}).items():
+        if x is not None and has_self_overlap(x):
+            raise ValueError(f"{name} must have every element its own memory (a buffer the kernel writes); got strides "
+                             f"{tuple(x.stride())} for shape {list(x.shape)} (an expanded or overlapping view)")
+    require_disjoint({"out": out, "lse": lse, **(extra_outputs or {})},
                      {"q": p.q, "kv": p.kv, "indices": p.indices, "topk_length": p.topk_length,
-                      "cu_seqlens_q": p.cu_seqlens_q})
+                      "cu_seqlens_q": p.cu_seqlens_q, **(extra_inputs or {})})
     if workspace is not None:
         if not isinstance(workspace, SparseMLAWorkspace):
             raise TypeError(f"workspace must be a SparseMLAWorkspace or None, got {describe(workspace)}")

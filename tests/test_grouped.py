@@ -34,7 +34,7 @@ from lib import (
     run_checked,
 )
 
-from sparse_mla import SparseMLAWorkspace, default_group_size, selection, sparse_mla_fwd, sparse_mla_ref
+from sparse_mla import SparseMLAWorkspace, default_group_size, selection, sparse_mla_fwd, sparse_mla_ref, validation
 from sparse_mla.selection import overlap_guard_ratio
 from sparse_mla.union.triton_tl import hash_table_slots
 
@@ -350,6 +350,9 @@ def test_launch_grids_within_cuda_limits(T, cu, monkeypatch):
     CUDA's limits (y and z <= 65535) for any T: checked on the CPU by recording the launches instead of
     running them (test_grouped_many_tokens runs such a call on a GPU)."""
     grids = record_launch_grids(monkeypatch)
+    # out as a stride-0 view (T x 16 x 512 would be 8.6 GB): the stubbed kernels write nothing, so the check
+    # that a written buffer has its own memory per element is switched off for this test only
+    monkeypatch.setattr(validation, "has_self_overlap", lambda x: False)
     H = 16
     q = torch.zeros(1, H, 512, dtype=DTYPE, device=DEVICE).expand(T, H, 512)  # stride-0 rows: no memory
     out = torch.empty(1, H, 512, dtype=DTYPE, device=DEVICE).expand(T, H, 512)

@@ -208,25 +208,79 @@ def test_checked_mode_accepts_nonfinite_rows_no_query_selects(no_launch):
         _call({**a, "kv": kv}, check=True, method="per_token")
 
 
-@pytest.mark.parametrize("make, match", [
-    pytest.param(lambda: torch.empty(T, H + 1, 512, dtype=DTYPE, device=DEVICE), "out", id="out-wrong-shape"),
-    pytest.param(lambda: torch.empty(T, H, 512, dtype=torch.float32, device=DEVICE), "out", id="out-fp32"),
-    pytest.param(lambda: torch.empty(T, H, 1024, dtype=DTYPE, device=DEVICE)[..., ::2], "out", id="out-last-dim-strided"),
-    pytest.param(lambda: torch.empty(T, H, 512, dtype=DTYPE, device=meta), "out", id="out-other-device"),
+@pytest.mark.parametrize("make, error, match", [
+    pytest.param(lambda a: torch.empty(T, H + 1, 512, dtype=DTYPE, device=DEVICE), ValueError,
+                 r"out must be \[T, H, d_v\] = \[3, 2, 512\] .*; got shape \[3, 3, 512\]", id="out-wrong-shape"),
+    pytest.param(lambda a: torch.empty(T, H, 512, dtype=torch.float32, device=DEVICE), TypeError,
+                 "out must be .*; got dtype torch.float32", id="out-fp32"),
+    pytest.param(lambda a: torch.empty(T, H, 1024, dtype=DTYPE, device=DEVICE)[..., ::2], ValueError,
+                 r"out must be .*last dim contiguous \(stride 1\); got strides \(2048, 1024, 2\)", id="out-last-dim-strided"),
+    pytest.param(lambda a: torch.empty(T, H, 512, dtype=DTYPE, device=meta), ValueError, "out must be .*got a tensor on meta",
+                 id="out-other-device"),
+    pytest.param(lambda a: torch.empty(1, H, 512, dtype=DTYPE, device=DEVICE).expand(T, H, 512), ValueError,
+                 "out must be .*its own memory.*expanded", id="out-expanded-over-tokens"),
+    pytest.param(lambda a: a["kv"][: T * H].view(T, H, 576)[..., :512], ValueError, "out shares memory with kv",
+                 id="out-inside-kv"),
+    pytest.param(lambda a: [[0.0]], TypeError, "out must be a torch.Tensor", id="out-not-a-tensor"),
 ])
-def test_bad_out_buffer(make, match, no_launch):
-    with pytest.raises(ValueError, match=match):
-        _call(_args(), out=make(), method="per_token")
+def test_bad_out_buffer(make, error, match, no_launch):
+    a = _args()
+    with pytest.raises(error, match=match):
+        _call(a, out=make(a), method="per_token")
 
 
-@pytest.mark.parametrize("make", [
-    pytest.param(lambda: torch.empty(T, H, dtype=DTYPE, device=DEVICE), id="lse-not-fp32"),
-    pytest.param(lambda: torch.empty(T, H + 1, dtype=torch.float32, device=DEVICE), id="lse-wrong-shape"),
-    pytest.param(lambda: torch.empty(H, T, dtype=torch.float32, device=DEVICE).t(), id="lse-transposed"),
+@pytest.mark.parametrize("make, error, match", [
+    pytest.param(lambda: torch.empty(T, H, dtype=DTYPE, device=DEVICE), TypeError, "lse must be .*float32.*got dtype",
+                 id="lse-not-fp32"),
+    pytest.param(lambda: torch.empty(T, H + 1, dtype=torch.float32, device=DEVICE), ValueError,
+                 r"lse must be \[T, H\] = \[3, 2\].*got shape \[3, 3\]", id="lse-wrong-shape"),
+    pytest.param(lambda: torch.empty(H, T, dtype=torch.float32, device=DEVICE).t(), ValueError,
+                 "lse must be .*contiguous; got strides", id="lse-transposed"),
+    pytest.param(lambda: torch.empty(T, H, dtype=torch.float32, device=meta), ValueError, "lse must be .*on meta",
+                 id="lse-other-device"),
 ])
-def test_bad_lse_buffer(make, no_launch):
-    with pytest.raises(ValueError, match="lse"):
+def test_bad_lse_buffer(make, error, match, no_launch):
+    with pytest.raises(error, match=match):
         _call(_args(), lse=make(), return_lse=True, method="per_token")
+
+
+def test_out_and_lse_must_not_overlap(no_launch):
+    buf = torch.empty(T * H * 512 * 2, dtype=DTYPE, device=DEVICE)
+    out = buf[: T * H * 512].view(T, H, 512)
+    lse = buf[: T * H * 2].view(torch.float32).view(T, H)  # the first bytes of out
+    with pytest.raises(ValueError, match="out shares memory with lse"):
+        _call(_args(), out=out, lse=lse, return_lse=True, method="per_token")
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    pytest.param({"return_lse": 1}, TypeError, r"return_lse must be a bool \(True or False\), got int 1", id="return_lse-int"),
+    pytest.param({"return_lse": "no"}, TypeError, "return_lse must be a bool", id="return_lse-str"),
+    pytest.param({"check": None}, TypeError, "check must be a bool", id="check-None"),
+    pytest.param({"sm_scale": True}, TypeError, "sm_scale must be a finite float .*got bool True", id="sm_scale-bool"),
+    pytest.param({"sm_scale": "0.1"}, TypeError, "sm_scale must be a finite float .*got str", id="sm_scale-str"),
+    pytest.param({"sm_scale": torch.tensor(0.1)}, TypeError, "sm_scale .*a tensor would need a device sync",
+                 id="sm_scale-tensor"),
+    pytest.param({"d_v": 512.0}, TypeError, "d_v must be an int, got float", id="d_v-float"),
+    pytest.param({"d_v": True}, TypeError, "d_v must be an int, got bool", id="d_v-bool"),
+    pytest.param({"group_size": 2.0, "method": "grouped"}, TypeError, "group_size must be an int, got float",
+                 id="group_size-float"),
+    pytest.param({"group_size": True, "method": "per_token"}, TypeError, "group_size must be an int, got bool",
+                 id="group_size-bool-per-token"),
+    pytest.param({"overlap_guard": True}, TypeError, "overlap_guard must be a finite float", id="overlap_guard-bool"),
+    pytest.param({"overlap_guard": -2.0}, ValueError, "overlap_guard must be >= 0", id="overlap_guard-negative"),
+    pytest.param({"overlap_guard": float("nan")}, ValueError, "overlap_guard must be a finite float", id="overlap_guard-nan"),
+    pytest.param({"workspace": "ws"}, TypeError, "workspace must be a SparseMLAWorkspace or None, got str", id="workspace-str"),
+    pytest.param({"workspace": SparseMLAWorkspace(T, K, 16, N, meta)}, ValueError, "workspace must be on q's device",
+                 id="workspace-other-device"),
+])
+def test_silently_coerced_or_bad_options(kwargs, error, match, no_launch):
+    """Flags and numbers of sparse_mla_fwd are checked by type: a bool is not a float or an int, 1 is not
+    True, a float group size is not truncated; every one before any launch."""
+    a = _args()
+    if "sm_scale" in kwargs:
+        a["sm_scale"] = kwargs.pop("sm_scale")
+    with pytest.raises(error, match=match):
+        _call(a, **{"method": "per_token", **kwargs})
 
 
 @pytest.mark.parametrize("group_size", [
