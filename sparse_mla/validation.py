@@ -386,9 +386,9 @@ def check_contents(p: SparseMLAProblem) -> None:
     check_selected_rows_finite(p.kv, idx, valid)
 
 
-NONFINITE_CONTRACT = ('docs/DESIGN.md "Non-finite kv rows": per token, a non-finite selected row makes that query\'s '
-                      "out / lse NaN; the grouped path spreads it to every query of the group, the MHA paths to every "
-                      "query whose tile reads the row")
+NONFINITE_CONTRACT = ('docs/DESIGN.md "Non-finite kv rows": a query that selects such a row gets a non-finite out / '
+                      "lse; on the grouped path every query of its group gets a non-finite out, on the dense / masked MHA "
+                      "paths any query of its request")
 
 
 def nonfinite_rows(kv: torch.Tensor, rows: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
@@ -424,7 +424,7 @@ def check_selected_rows_finite(kv: torch.Tensor, indices: torch.Tensor, selected
     t, j = (int(v) for v in (selected & (indices.long() == bad[0])).nonzero()[0])
     raise ValueError(
         f"kv rows {first}{more} hold NaN or inf values and are selected by some query (first: indices[{t}, {j}] = "
-        f"{first[0]}); the output of a query that selects such a row is NaN ({NONFINITE_CONTRACT}) ({what})"
+        f"{first[0]}); the output of a query that selects such a row is not finite ({NONFINITE_CONTRACT}) ({what})"
     )
 
 
