@@ -9,11 +9,37 @@ from __future__ import annotations
 import os
 import re
 from enum import Enum
+from pathlib import Path
 from typing import Annotated
 
 import typer
+from typer.core import TyperCommand, TyperGroup
+
+
+class _PlainHelp:
+    """Help screens as users read them: the usage line names arguments plainly (``FILE``, not typer's
+    ``{FILE}``), and ``--help`` shows no ``<bool>`` type."""
+
+    def collect_usage_pieces(self, ctx):
+        return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in super().collect_usage_pieces(ctx)]
+
+    def get_help_option(self, ctx):
+        opt = super().get_help_option(ctx)
+        if opt is not None:
+            opt.metavar = ""  # rich help prints the metavar in place of the type: nothing for a flag
+        return opt
+
+
+class _Command(_PlainHelp, TyperCommand):
+    pass
+
+
+class _Group(_PlainHelp, TyperGroup):
+    pass
+
 
 app = typer.Typer(
+    cls=_Group,
     help="sparse-mla: exact DeepSeek Sparse Attention prefill on Hopper (Triton). "
     "Run `sparse-mla bench` for the side-by-side benchmark.",
     no_args_is_help=True,
@@ -146,22 +172,22 @@ def _exit_on_failures(failures: list[str]) -> None:
         raise typer.Exit(1)
 
 
-@app.command()
+@app.command(cls=_Command, short_help="Check and time every DSA prefill path per scenario (the main job).")
 def bench(
     ctx: typer.Context,
-    model: Annotated[list[Model] | None, typer.Option(help="Model layout (repeatable); default: glm-5 at TP4 and deepseek-v3.2 at TP8.")] = None,
-    dims: Annotated[list[str] | None, typer.Option(metavar="HEADS,KV_LORA_RANK,QK_NOPE,QK_ROPE,V", help="A custom layout (repeatable), e.g. 128,512,128,64,128; QK_ROPE may be 0 (NoPE).")] = None,
-    tp: Annotated[int | None, typer.Option(help="Tensor-parallel size: heads per rank = heads / tp on one GPU (default: glm-5 4, deepseek-v3.2 8, others 1); under torchrun with W processes, runs ShardQ vs TP on W GPUs (tp must be W).")] = None,
-    tokens: Annotated[str | None, typer.Option(help="New (query) tokens per scenario, comma-separated, e.g. 8192,16384.")] = None,
-    cached: Annotated[str | None, typer.Option(help="Cached prefix tokens, comma-separated (one value for all --tokens, or one per value).")] = None,
-    topk: Annotated[int, typer.Option(help="Rows the indexer selects per query (K).")] = 2048,
-    overlap: Annotated[str, typer.Option(help="Synthetic top-k preset: high, mid, low (union ratio ~1.2/1.4/1.7 at G=8), none, random.")] = "mid",
-    topk_trace: Annotated[str | None, typer.Option(help="Engine top-k dump (.pt/.safetensors, see sparse_mla.workloads.traces): its first layer's lists replace the synthetic ones (one request, T = its rows, K = its columns; not with --tokens, --cached, --topk, --overlap).")] = None,
-    dtype: Annotated[DType, typer.Option(help="q / kv / weight dtype of the single-GPU benchmark (the interpreter on a CPU always uses fp16; under torchrun: bf16 on GPUs, not settable).")] = DType.bf16,
-    trials: Annotated[int | None, typer.Option(help=f"Timing trials per path (each a do_bench median and 20/80% quantiles); default {TRIALS_GPU} on one GPU, {TRIALS_TORCHRUN} under torchrun, {TRIALS_INTERPRETER} under the interpreter.")] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the inputs and synthetic lists.")] = 0,
-    json_out: Annotated[str | None, typer.Option("--json", show_default="out/bench.json; out/bench_shardq.json under torchrun", help="Where to write the JSON results (results/ holds the committed GPU runs).")] = None,
-    plot_out: Annotated[str | None, typer.Option("--plot", show_default="out/bench.png; out/bench_shardq.png under torchrun", help="PNG plot of time per path vs prompt length ('' for none).")] = None,
+    model: Annotated[list[Model] | None, typer.Option(metavar="MODEL", show_default="glm-5 at TP4 and deepseek-v3.2 at TP8", help="Model layout, repeatable: deepseek-v3.2, glm-5, glm-5.3-flash.")] = None,
+    dims: Annotated[list[str] | None, typer.Option(metavar="H,R,NOPE,ROPE,V", show_default="none", help="A custom layout (repeatable): heads, kv_lora_rank, qk_nope, qk_rope, v_head_dim, e.g. 128,512,128,64,128; qk_rope may be 0 (NoPE).")] = None,
+    tp: Annotated[int | None, typer.Option(metavar="W", show_default="glm-5 4, deepseek-v3.2 8, others 1; WORLD_SIZE under torchrun", help="Tensor-parallel size: heads per rank = heads / tp on one GPU; under torchrun with W processes, runs ShardQ vs TP on W GPUs (tp must be W).")] = None,
+    tokens: Annotated[str | None, typer.Option(metavar="T[,T...]", show_default="GPU: the default scenarios; CPU: two small ones", help="New (query) tokens per scenario, comma-separated, e.g. 8192,16384.")] = None,
+    cached: Annotated[str | None, typer.Option(metavar="C[,C...]", show_default="0", help="Cached prefix tokens, comma-separated (one value for all --tokens, or one per value).")] = None,
+    topk: Annotated[int, typer.Option(metavar="K", help="Rows the indexer selects per query (K; capped at 32 without a GPU).")] = 2048,
+    overlap: Annotated[str, typer.Option(metavar="PRESET", help="Synthetic top-k preset: high, mid, low (union ratio ~1.2/1.4/1.7 at G=8), none, random.")] = "mid",
+    topk_trace: Annotated[str | None, typer.Option(metavar="FILE", show_default="none: synthetic lists", help="Engine top-k dump (.pt or .safetensors, per layer `topk` [T, K] and `valid` [T] int32): its first layer's lists replace the synthetic ones (one request, T = its rows, K = its columns; not with --tokens, --cached, --topk, --overlap).")] = None,
+    dtype: Annotated[DType, typer.Option(metavar="bf16|fp16", help="q / kv / weight dtype of the single-GPU benchmark (the interpreter on a CPU always uses fp16; under torchrun: bf16 on GPUs, not settable).")] = DType.bf16,
+    trials: Annotated[int | None, typer.Option(metavar="N", show_default=f"{TRIALS_GPU} on one GPU, {TRIALS_TORCHRUN} under torchrun, {TRIALS_INTERPRETER} under the interpreter", help="Timing trials per path (each a do_bench median and 20/80% quantiles).")] = None,
+    seed: Annotated[int, typer.Option(metavar="N", help="Seed of the inputs and synthetic lists.")] = 0,
+    json_out: Annotated[str | None, typer.Option("--json", metavar="FILE", show_default="out/bench.json; out/bench_shardq.json under torchrun", help="Where to write the JSON results (results/ holds the committed GPU runs).")] = None,
+    plot_out: Annotated[str | None, typer.Option("--plot", metavar="FILE", show_default="out/bench.png; out/bench_shardq.png under torchrun", help="PNG plot of time per path vs prompt length ('' for none).")] = None,
 ) -> None:
     """Layer-level benchmark: per scenario and model layout, the dispatcher's chosen path and the time of
     every other applicable DSA prefill path (dense MHA, masked MHA, grouped and per-token sparse MQA,
@@ -251,10 +277,11 @@ def bench(
     _exit_on_failures([f"{r['scenario']} {f}" for r in rows for f in r["failures"]])
 
 
-@app.command("report")
+@app.command("report", cls=_Command, short_help="Print a bench JSON as the README's markdown table.")
 def report_cmd(
-    json_file: Annotated[str, typer.Argument(help="A `sparse-mla bench` JSON, e.g. results/bench.json (a `--tp W` "
-                                                  "ShardQ JSON prints its ShardQ-vs-TP table).")],
+    json_path: Annotated[Path, typer.Argument(metavar="JSON", dir_okay=False, show_default=False,
+                                              help="A `sparse-mla bench` JSON, e.g. results/bench.json (a `--tp W` "
+                                                   "ShardQ JSON prints its ShardQ-vs-TP table).")],
 ) -> None:
     """Print the README's markdown table of a bench JSON (the README table is generated from the
     committed JSON, never typed)."""
@@ -262,6 +289,7 @@ def report_cmd(
 
     from .bench.report import bench_rows, is_shardq_json, markdown_table
 
+    json_file = str(json_path)
     try:
         with open(json_file) as f:
             doc = json.load(f)
@@ -272,7 +300,7 @@ def report_cmd(
             return
         meta, rows = bench_rows(doc, json_file)
     except (OSError, ValueError) as e:
-        raise typer.BadParameter(str(e), param_hint="JSON_FILE") from None
+        raise typer.BadParameter(str(e), param_hint="JSON") from None
     typer.echo(f"<!-- `sparse-mla report {json_file}`: {meta.get('gpu', '?')}, rev {meta.get('git_revision', '?')}, "
                f"{meta.get('date', '?')}, {meta.get('dtype', '?')}, top-k {meta.get('overlap', '?')} -->")
     if meta.get("timings_meaningful") is False:
@@ -280,28 +308,50 @@ def report_cmd(
     typer.echo(markdown_table(rows))
 
 
-@app.command("topk-stats")
+@app.command("topk-stats", cls=_Command, short_help="Union ratios of an engine's top-k dump, per layer and G.")
 def topk_stats(
-    file: Annotated[str, typer.Argument(help="Engine top-k dump (.pt or .safetensors; per layer `topk` [T, K] int32, `valid` [T] int32).")],
-    group_sizes: Annotated[str, typer.Option(help="Group sizes G, comma-separated.")] = "2,4,8,16",
+    path: Annotated[Path, typer.Argument(metavar="FILE", dir_okay=False, show_default=False, help="Engine top-k dump (.pt or .safetensors; per layer `topk` [T, K] int32, `valid` [T] int32, optional `layer`).")],
+    group_sizes: Annotated[str, typer.Option(metavar="G[,G...]", help="Group sizes G, comma-separated.")] = "2,4,8,16",
 ) -> None:
-    """Print union ratios (union rows of G consecutive queries / mean valid rows per query) per layer."""
+    """Print union ratios (union rows of G consecutive queries / mean valid rows per query) per layer:
+    one table of the layers' lists, one of the ratios per layer and G (fits 80 columns)."""
     from rich.console import Console
+
+    from .workloads.stats import topk_stats_table
+
+    gs = _parse_ints(group_sizes, "--group-sizes", minimum=1)
+    try:
+        rows = topk_stats_table(str(path), gs)
+    except (OSError, ValueError, TypeError) as e:
+        raise typer.BadParameter(str(e), param_hint="FILE") from None
+    console = Console()
+    for table in topk_stats_tables(rows, str(path)):
+        console.print(table)
+
+
+def topk_stats_tables(rows: list[dict], source: str) -> list:
+    """Two narrow rich tables of ``topk_stats`` rows: the lists of each layer (tokens, K, valid rows per
+    query), then per layer and G the groups, mean union rows and the ratio's mean / p50 / p90 / max."""
     from rich.table import Table
 
-    from .workloads.stats import TOPK_STATS_COLUMNS, topk_stats_table
+    def layer_name(v: object) -> str:
+        return "-" if v is None else str(v)
 
-    gs = _parse_ints(group_sizes, "--group-sizes")
-    try:
-        rows = topk_stats_table(file, gs)
-    except (OSError, ValueError, TypeError) as e:
-        raise typer.BadParameter(str(e)) from None
-    table = Table(title=f"top-k union ratios: {file}")
-    for c in TOPK_STATS_COLUMNS:
-        table.add_column(c, justify="right")
+    lists = Table(title=f"top-k lists: {source}", title_justify="left")
+    for name in ("layer", "tokens T", "top-k K", "valid rows / query"):
+        lists.add_column(name, justify="right", no_wrap=True)
+    seen = set()
     for r in rows:
-        table.add_row(*[f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in TOPK_STATS_COLUMNS])
-    Console().print(table)
+        if r["layer"] not in seen:
+            seen.add(r["layer"])
+            lists.add_row(layer_name(r["layer"]), str(r["tokens"]), str(r["topk"]), f"{r['valid_mean']:.1f}")
+    ratios = Table(title="union ratio = union rows of G queries / mean valid rows (lists)", title_justify="left")
+    for name in ("layer", "G", "groups", "union rows", "mean", "p50", "p90", "max"):
+        ratios.add_column(name, justify="right", no_wrap=True)
+    for r in rows:
+        ratios.add_row(layer_name(r["layer"]), str(r["G"]), str(r["groups"]), f"{r['union_rows']:.1f}",
+                       *(f"{r[k]:.3f}" for k in ("ratio_mean", "ratio_p50", "ratio_p90", "ratio_max")))
+    return [lists, ratios]
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lib import TOLERANCE
+from lib import TOLERANCE, all_of
 from typer.testing import CliRunner
 
 import sparse_mla.cli as cli
@@ -293,3 +293,67 @@ def test_time_trials_quantiles(monkeypatch):
     assert t["ms"] == statistics.median(t["trials_ms"])
     with pytest.raises(ValueError, match="trials"):
         time_trials(lambda: None, on_gpu=False, trials=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# First-run polish: help screens, topk-stats at 80 columns, the CPU bench plot
+
+
+@pytest.mark.parametrize("args, usage", [
+    pytest.param([], "Usage: sparse-mla [OPTIONS] COMMAND [ARGS]...", id="app"),
+    pytest.param(["bench"], "Usage: sparse-mla bench [OPTIONS]", id="bench"),
+    pytest.param(["report"], "Usage: sparse-mla report [OPTIONS] JSON", id="report"),
+    pytest.param(["topk-stats"], "Usage: sparse-mla topk-stats [OPTIONS] FILE", id="topk-stats"),
+])
+def test_help_screens(args, usage):
+    """Usage lines name arguments plainly (FILE / JSON, not {file}), no `--help <bool>`, no option shown as a
+    bare Python type (`<str>`, `<int>`), and every option but --help shows its default."""
+    res = RUNNER.invoke(app, [*args, "--help"], env={"COLUMNS": "80"}, prog_name="sparse-mla")
+    assert res.exit_code == 0, res.output
+    out = res.output
+    assert usage in out, out
+    assert "<bool>" not in out and "<str>" not in out and "<int>" not in out and "{" not in out, out
+    assert all(len(line) <= 80 for line in out.splitlines()), max(out.splitlines(), key=len)
+    options = [line for line in out.splitlines() if line.startswith("│ --") and "--help" not in line]
+    assert len(options) == out.count("[default:"), out
+
+
+def test_topk_stats_fits_80_columns(tmp_path):
+    """sparse-mla topk-stats at 80 columns: nothing cut (no ellipsis), every line fits, the figures are the
+    library's (``topk_stats_table``)."""
+    from sparse_mla.workloads import synthetic_topk
+    from sparse_mla.workloads.stats import topk_stats_table
+    from sparse_mla.workloads.traces import TopkTrace, save_trace
+
+    traces = []
+    for layer in (0, 61):
+        pos, valid = synthetic_topk(0, 300, 64, "mid", seed=layer)
+        traces.append(TopkTrace(layer=layer, topk=pos, valid=valid))
+    path = tmp_path / "trace.pt"
+    save_trace(path, traces)
+    res = RUNNER.invoke(app, ["topk-stats", str(path), "--group-sizes", "2,8,16"], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert "…" not in res.output and all(len(line) <= 80 for line in lines), res.output
+    rows = topk_stats_table(str(path), (2, 8, 16))
+    for r in rows:
+        cells = [str(r["layer"]), str(r["G"]), str(r["groups"]), f"{r['union_rows']:.1f}", f"{r['ratio_mean']:.3f}",
+                 f"{r['ratio_p90']:.3f}", f"{r['ratio_max']:.3f}"]
+        assert any(all(c in line for c in cells) for line in lines), (cells, res.output)
+    assert sum("│    61 │" in line for line in lines) == 1 + 3  # the lists table and three G rows
+
+
+def test_cpu_bench_plot(bench_json, tmp_path):
+    """The interpreter run's plot: the title says so, each panel has two or more bars per path (two
+    scenarios: not single points), the chosen path of every scenario is marked."""
+    from sparse_mla.bench.report import bench_rows, plot
+
+    meta, rows = bench_rows(json.loads(bench_json.read_text()), str(bench_json))
+    drawn = plot(str(tmp_path / "p.png"), rows, interpreted=True)
+    assert "interpreter" in drawn["title"] and "NOT performance numbers" in drawn["title"]
+    (panel,) = drawn["panels"]  # one layout (--dims)
+    assert panel["kind"] == "bars" and panel["x"] == ["12", "24+12"]
+    assert panel["chosen"] == [r["chosen_path"] for r in rows] and all_of(c is not None for c in panel["chosen"])
+    gpu = plot(str(tmp_path / "g.png"), json.loads(COMMITTED.read_text())["results"], interpreted=False)
+    assert "interpreter" not in gpu["title"]
+    assert all_of(p["kind"] == "lines" and len(p["x"]) >= 2 for p in gpu["panels"])

@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 
-from .baselines import PATH_COLUMNS
+from .baselines import PAD64_NAME, PATH_COLUMNS
 
 SHORT = {"dense_mha": "dense", "masked_mha": "masked", "mqa_grouped": "grouped", "mqa_per_token": "per_tok",
          "mqa_per_token_pad64": "pad64"}
@@ -174,32 +174,82 @@ def bench_rows(doc: object, path: str) -> tuple[dict, list[dict]]:
     return doc.get("meta", {}), rows
 
 
-def plot(path: str, rows: list[dict], interpreted: bool) -> None:
-    """Time per path vs prompt length for pure prefills (cached == 0), one panel per model/TP,
-    every layer path and the pad-64 baseline, log y."""
+def plot(path: str, rows: list[dict], interpreted: bool) -> dict:
+    """One panel per model / TP of every layer path and the pad-64 baseline, the dispatcher's chosen path
+    marked (a black ring on its point, or a black-edged hatched bar): ms per layer call vs prompt length
+    (pure prefills, log x and y) where a panel has at least two pure-prefill points, else grouped bars per
+    scenario (cached + new). The title says when the times come from the Triton interpreter.
+
+    Returns:
+        what was drawn, for tests: {"title": str, "panels": [{"title", "kind" ("lines" or "bars"),
+        "x": scenario labels or token counts, "chosen": chosen path per x}]}.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     keys = list(dict.fromkeys((r["model"], r["tp"]) for r in rows))
-    fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, max(len(keys), 1), figsize=(6 * max(len(keys), 1), 5.2), squeeze=False)
+    colors = {name: f"C{i}" for i, name in enumerate(PATH_COLUMNS)}
+    drawn, legend = [], {}  # one legend for the figure, below the panels
     for ax, (model, tp) in zip(axes[0], keys):
-        pts = sorted((r for r in rows if r["model"] == model and r["tp"] == tp and r["cached"] == 0), key=lambda r: r["new"])
-        for name in PATH_COLUMNS:
-            xy = [(r["new"], r["paths"][name]["ms"]) for r in pts if "ms" in r["paths"][name]]
-            if xy:
-                ax.plot(*zip(*xy), marker="o", linestyle="--" if name == "mqa_per_token_pad64" else "-", label=name)
-        ax.set_title(f"{model}, TP{tp} ({pts[0]['heads'] if pts else '?'} heads/rank)")
-        ax.set_xlabel("prompt tokens (pure prefill)")
-        ax.set_ylabel("ms per layer call" + (" (interpreter, not meaningful)" if interpreted else ""))
+        mine = [r for r in rows if r["model"] == model and r["tp"] == tp]
+        pure = sorted((r for r in mine if r["cached"] == 0), key=lambda r: r["new"])
+        if len(pure) >= 2:
+            for name in PATH_COLUMNS:
+                xy = [(r["new"], r["paths"][name]["ms"]) for r in pure if "ms" in r["paths"][name]]
+                if xy:
+                    ax.plot(*zip(*xy), marker="o", color=colors[name],
+                            linestyle="--" if name == PAD64_NAME else "-", label=name)
+            chosen = [(r["new"], r["chosen_ms"]) for r in pure if r.get("chosen_ms") is not None]
+            if chosen:
+                ax.scatter(*zip(*chosen), s=160, facecolors="none", edgecolors="black", linewidths=1.8, zorder=5,
+                           label="chosen path (dispatcher)")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("prompt tokens (pure prefill)")
+            drawn.append({"title": "", "kind": "lines", "x": [r["new"] for r in pure],
+                          "chosen": [r.get("chosen_path") for r in pure]})
+        else:
+            labels = [f"{r['cached']}+{r['new']}" if r["cached"] else str(r["new"]) for r in mine]
+            names = [n for n in PATH_COLUMNS if any("ms" in r["paths"][n] for r in mine)]
+            width = 0.8 / max(len(names), 1)
+            for j, name in enumerate(names):
+                for i, r in enumerate(mine):
+                    rec = r["paths"][name]
+                    if "ms" not in rec:
+                        continue
+                    is_chosen = name == r.get("chosen_path")
+                    ax.bar(i + (j - (len(names) - 1) / 2) * width, rec["ms"], width, color=colors[name],
+                           edgecolor="black" if is_chosen else "none", linewidth=2 if is_chosen else 0,
+                           hatch="//" if is_chosen else None)
+            ax.set_xticks(range(len(mine)), labels)
+            ax.set_xlabel("scenario: new tokens, or cached + new")
+            for n in names:
+                legend.setdefault(n, Patch(color=colors[n], label=n))
+            legend["chosen path (dispatcher)"] = Patch(facecolor="white", edgecolor="black", hatch="//", linewidth=2,
+                                                       label="chosen path (dispatcher)")
+            drawn.append({"title": "", "kind": "bars", "x": labels, "chosen": [r.get("chosen_path") for r in mine]})
+        heads = mine[0]["heads"] if mine else "?"
+        drawn[-1]["title"] = f"{model}, TP{tp} ({heads} heads/rank)"
+        ax.set_title(drawn[-1]["title"])
+        ax.set_ylabel("ms per layer call")
         ax.set_yscale("log")
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
+        if drawn[-1]["kind"] == "lines":
+            for h, lab in zip(*ax.get_legend_handles_labels()):
+                legend.setdefault(lab, h)
+    if legend:
+        fig.legend(handles=list(legend.values()), loc="lower center", ncol=min(len(legend), 6), fontsize=8, frameon=False)
+    title = ("Triton interpreter run on the CPU (fp16): the times are NOT performance numbers" if interpreted
+             else "sparse-mla bench: ms per layer call (GPU)")
+    fig.suptitle(title, color="firebrick" if interpreted else "black")
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return {"title": title, "panels": drawn}
 
 
 __all__ = ["git_revision", "provenance", "print_table", "markdown_table", "write_json", "bench_rows", "is_shardq_json", "plot",
