@@ -18,7 +18,12 @@ from .mqa.triton_tl import D_V
 from .selection import overlap_guard_ratio, resolve_method
 from .union import backends as union_backends
 from .union.triton_tl import MAX_GROUP_SIZE, plan_groups
-from .validation import require_kernel_tensor, validate_fwd_buffers, validate_sparse_mla_args
+from .validation import (
+    require_kernel_tensor,
+    validate_fwd_buffers,
+    validate_group_union_args,
+    validate_sparse_mla_args,
+)
 from .workspace import SparseMLAWorkspace
 
 logger = logging.getLogger("sparse_mla")
@@ -208,29 +213,15 @@ def build_group_union(
         GroupUnion with rows / member_mask [ceil(T / G), G * K] int32 and lengths [ceil(T / G)].
 
     Raises:
-        TypeError: non-int32 indices or topk_length. ValueError: bad shapes, group_size out of range,
-            CPU tensors without TRITON_INTERPRET=1.
+        TypeError: non-tensor or non-int32 indices / topk_length, a group_size or num_kv_rows that is not
+            an int (``validation.validate_group_union_args``). ValueError: bad shapes or devices,
+            group_size out of range, num_kv_rows < 1, CPU tensors without TRITON_INTERPRET=1.
     """
-    if not isinstance(indices, torch.Tensor):
-        raise TypeError(f"indices must be a torch.Tensor, got {type(indices).__name__}")
-    if indices.dtype != torch.int32:
-        raise TypeError(f"indices must be int32 [T, K], got {indices.dtype}")
-    if indices.dim() == 3 and indices.shape[1] == 1:
-        indices = indices[:, 0]
-    if indices.dim() != 2 or indices.shape[1] < 1:
-        raise ValueError(f"indices must be [T, K] or [T, 1, K] with K >= 1, got shape {tuple(indices.shape)}")
-    if not isinstance(group_size, int) or not 1 <= group_size <= MAX_GROUP_SIZE:
-        raise ValueError(f"group_size must be an int in [1, {MAX_GROUP_SIZE}], got {group_size!r}")
+    indices, group_size, topk_length, N = validate_group_union_args(indices, group_size, topk_length, num_kv_rows,
+                                                                    MAX_GROUP_SIZE)
     T, K = indices.shape
-    if topk_length is not None:
-        if topk_length.dtype != torch.int32:
-            raise TypeError(f"topk_length must be int32 [T] = [{T}], got dtype {topk_length.dtype}")
-        if topk_length.shape != (T,):
-            raise ValueError(f"topk_length must be [T] = [{T}], got shape {tuple(topk_length.shape)}")
-        topk_length = topk_length.contiguous()
     require_kernel_tensor("indices", indices)
     indices = indices.contiguous()
-    N = 2**31 - 1 if num_kv_rows is None else int(num_kv_rows)
     n_groups = -(-T // group_size)
     ws = SparseMLAWorkspace(max(T, 1), K, group_size, N, indices.device)
     gs, gl, ul = ws.group_start[:n_groups], ws.group_len[:n_groups], ws.union_len[:n_groups]

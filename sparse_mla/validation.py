@@ -500,3 +500,30 @@ def validate_fwd_buffers(
             if not ok:
                 raise ValueError(f"workspace does not fit this call: {why} (SparseMLAWorkspace.for_problem sizes one)")
     return G
+
+
+def validate_group_union_args(indices: object, group_size: object, topk_length: object, num_kv_rows: object,
+                              max_group_size: int) -> tuple[torch.Tensor, int, torch.Tensor | None, int]:
+    """The arguments of ``build_group_union``, checked before any launch.
+
+    Returns:
+        (indices [T, K] view, G, topk_length contiguous or None, N bound: num_kv_rows or 2**31 - 1).
+
+    Raises:
+        TypeError: a non-tensor or non-int32 indices / topk_length, a group_size or num_kv_rows that is
+            not an int (a bool or a float is refused).
+        ValueError: indices not [T, K] / [T, 1, K] with K >= 1, group_size outside [1, max_group_size],
+            topk_length not [T] on indices' device, num_kv_rows < 1.
+    """
+    indices = check_tensor("indices", indices, dims="[T, K] or [T, 1, K]", dtype=torch.int32)
+    if indices.dim() == 3 and indices.shape[1] == 1:
+        indices = indices[:, 0]
+    if indices.dim() != 2 or indices.shape[1] < 1:
+        raise ValueError(f"indices must be [T, K] or [T, 1, K] with K >= 1, got shape {list(indices.shape)}")
+    G = require_int("group_size", group_size, minimum=1, maximum=max_group_size)
+    T = indices.shape[0]
+    if topk_length is not None:
+        topk_length = check_tensor("topk_length", topk_length, dims="[T]", shape=(T,), dtype=torch.int32,
+                                   device=indices.device).contiguous()
+    N = 2**31 - 1 if num_kv_rows is None else require_int("num_kv_rows", num_kv_rows, minimum=1)
+    return indices, G, topk_length, N
