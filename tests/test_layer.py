@@ -286,6 +286,12 @@ def test_module_matches_function():
     assert_layer_matches(o, ref)
     with pytest.raises(ValueError, match="tp_size"):
         SparseMLAPrefill.from_config(MODELS["glm-5"], tp_size=3)
+    with pytest.raises(TypeError, match="sm_scale must be a finite float .*got bool"):
+        SparseMLAPrefill(2, 512, 192, 64, 256, sm_scale=True)
+    with pytest.raises(TypeError, match="num_heads must be an int, got float"):
+        SparseMLAPrefill(2.0, 512, 192, 64, 256)
+    with pytest.raises(ValueError, match="qk_rope_head_dim must be an int in \\[0, inf\\], got -1"):
+        SparseMLAPrefill(2, 512, 192, -1, 256)
 
 
 def _mutate(kw: dict, **changes) -> dict:

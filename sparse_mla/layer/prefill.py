@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..validation import require_bool
+from ..validation import require_bool, require_finite_float, require_int
 from .config import validate_dsa_prefill_args, validate_dsa_prefill_out
 from .dispatch import PATHS, PathDecision, decide_and_log
 
@@ -111,6 +111,7 @@ class SparseMLAPrefill(nn.Module):
     ``forward`` is ``dsa_prefill`` with the weight, scale and a default ``path`` filled in.
 
     Raises:
+        TypeError: a dim that is not an int, an sm_scale that is not a real number (a bool included).
         ValueError: a dim < 1 (qk_rope_head_dim may be 0), a non-finite sm_scale.
     """
 
@@ -120,13 +121,12 @@ class SparseMLAPrefill(nn.Module):
         super().__init__()
         for name, v in (("num_heads", num_heads), ("kv_lora_rank", kv_lora_rank),
                         ("qk_nope_head_dim", qk_nope_head_dim), ("v_head_dim", v_head_dim)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if not isinstance(qk_rope_head_dim, int) or qk_rope_head_dim < 0:
-            raise ValueError(f"qk_rope_head_dim must be an int >= 0, got {qk_rope_head_dim!r}")
+            require_int(name, v, minimum=1)
+        require_int("qk_rope_head_dim", qk_rope_head_dim, minimum=0)
         self.num_heads, self.kv_lora_rank = num_heads, kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
-        self.sm_scale = float(sm_scale if sm_scale is not None else (qk_nope_head_dim + qk_rope_head_dim) ** -0.5)
+        self.sm_scale = (require_finite_float("sm_scale", sm_scale, " (the softmax scale) or None") if sm_scale is not None
+                         else (qk_nope_head_dim + qk_rope_head_dim) ** -0.5)
         self.path = path
         self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False,
                                    device=device, dtype=dtype)
