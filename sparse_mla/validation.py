@@ -377,8 +377,9 @@ def check_contents(p: SparseMLAProblem) -> None:
     s, _ = keyed.sort(dim=1)
     dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
     if bool(dup.any()):
-        t = int(dup.nonzero()[0, 0])
-        raise ValueError(f"indices[{t}] lists a valid row more than once; top-k rows of one query must be distinct (check=True)")
+        t, j = (int(v) for v in dup.nonzero()[0])
+        raise ValueError(f"indices[{t}] lists row {int(s[t, j + 1])} more than once; top-k rows of one query must be "
+                         "distinct (check=True)")
     if p.cu_seqlens_q is not None:
         cu = p.cu_seqlens_q
         if int(cu[0]) != 0 or int(cu[-1]) != T or bool((cu[1:] < cu[:-1]).any()):

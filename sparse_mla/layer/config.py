@@ -432,8 +432,9 @@ def check_layer_contents(p: DSAPrefillProblem) -> None:
     s, _ = keyed.sort(dim=1)
     dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
     if bool(dup.any()):
-        t = int(dup.nonzero()[0, 0])
-        raise ValueError(f"indices[{t}] lists a row more than once; top-k rows of one query must be distinct (check=True)")
+        t, j = (int(v) for v in dup.nonzero()[0])
+        raise ValueError(f"indices[{t}] lists row {int(s[t, j + 1])} more than once; top-k rows of one query must be "
+                         "distinct (check=True)")
     dense, _ = p.step.dense_eligible
     if dense:
         short = valid.sum(1) != win
