@@ -78,6 +78,56 @@ if GLUON_IMPORT_ERROR is None:
         return gl.load(rows_ptr + gid.to(gl.int64) * row_stride + pos, mask=pos < n_rows, other=-1)
 
     @gluon.jit
+    def _resolve_list(nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K, m_blocks, group_heads, has_nrows, has_route,
+                      GROUPED: gl.constexpr):
+        """This CTA's list and m-block (1-D grid, m-blocks of a list adjacent): (gid, mb, first token, rows of the
+        list, real pseudo-heads). A group with group_len 0 or a token with route 0 gets 0 rows and 0 heads."""
+        pid = gl.program_id(0)
+        gid = pid // m_blocks
+        mb = pid % m_blocks
+        if GROUPED:
+            glen = gl.load(glen_ptr + gid)
+            tok0 = gl.load(gstart_ptr + gid)
+            n_rows = gl.where(glen > 0, gl.load(nrows_ptr + gid), 0)
+            n_heads = gl.minimum(glen * H, group_heads)
+        else:
+            tok0 = gid
+            n_rows = K
+            if has_nrows:
+                n_rows = gl.minimum(gl.maximum(gl.load(nrows_ptr + gid), 0), K)
+            n_heads = H
+            if has_route:
+                if gl.load(route_ptr + gid) == 0:
+                    n_rows = 0
+                    n_heads = 0
+        return gid, mb, tok0, n_rows, n_heads
+
+    @gluon.jit
+    def _load_q(q_ptr, q_v, q_r, stride_qt, stride_qh, mb, tok0, H, n_heads, GROUPED: gl.constexpr,
+                HAS_PE: gl.constexpr):
+        """Q tile [64, D_qk] into shared memory: pseudo-head rows gathered with cp.async (rows past the real ones
+        zero-filled), waited and fenced for wgmma, by every warp of the calling partition."""
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        p_q = mb * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, blk))
+        if GROUPED:
+            q_tok = tok0 + p_q // H
+            q_head = p_q % H
+        else:
+            q_tok = tok0 + p_q * 0
+            q_head = p_q
+        q_ok = p_q < n_heads
+        q_row = q_ptr + q_tok.to(gl.int64) * stride_qt + gl.where(q_ok, q_head, 0).to(gl.int64) * stride_qh
+        cv = gl.arange(0, _DV, layout=gl.SliceLayout(0, blk))
+        async_copy.async_copy_global_to_shared(q_v, q_row[:, None] + cv[None, :], mask=q_ok[:, None])
+        if HAS_PE:
+            cr = gl.arange(0, _DPE, layout=gl.SliceLayout(0, blk))
+            async_copy.async_copy_global_to_shared(q_r, q_row[:, None] + _DV + cr[None, :], mask=q_ok[:, None])
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        fence_async_shared()
+        gl.thread_barrier()
+
+    @gluon.jit
     def _producer(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, n_tiles, ring_v, ring_r, ready, empty,
                   HAS_PE: gl.constexpr, STAGES: gl.constexpr):
         """Gather kv tiles [64, D_qk] of list ``gid`` into the ring with 16-byte cp.async."""
@@ -220,24 +270,8 @@ if GLUON_IMPORT_ERROR is None:
         route [T] (0 = another launch computes the token). Grouped: list = group, rows / bits = union rows
         and membership words [num_groups, U], nrows = union_len, gstart / glen = group_start / group_len.
         """
-        pid = gl.program_id(0)
-        gid = pid // m_blocks
-        mb = pid % m_blocks
-        if GROUPED:
-            glen = gl.load(glen_ptr + gid)
-            tok0 = gl.load(gstart_ptr + gid)
-            n_rows = gl.where(glen > 0, gl.load(nrows_ptr + gid), 0)
-            n_heads = gl.minimum(glen * H, group_heads)
-        else:
-            tok0 = gid
-            n_rows = K
-            if has_nrows:
-                n_rows = gl.minimum(gl.maximum(gl.load(nrows_ptr + gid), 0), K)
-            n_heads = H
-            if has_route:
-                if gl.load(route_ptr + gid) == 0:
-                    n_rows = 0
-                    n_heads = 0
+        gid, mb, tok0, n_rows, n_heads = _resolve_list(nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K, m_blocks,
+                                                       group_heads, has_nrows, has_route, GROUPED)
         n_tiles = gl.cdiv(n_rows, _BN)
 
         smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -257,25 +291,7 @@ if GLUON_IMPORT_ERROR is None:
             mbarrier.init(empty.index(i), count=1)  # one arrive by the consumer partition
 
         # Q tile [64, D_qk]: pseudo-head rows gathered with cp.async (rows past the real ones zero-filled)
-        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        p_q = mb * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, blk))
-        if GROUPED:
-            q_tok = tok0 + p_q // H
-            q_head = p_q % H
-        else:
-            q_tok = tok0 + p_q * 0
-            q_head = p_q
-        q_ok = p_q < n_heads
-        q_row = q_ptr + q_tok.to(gl.int64) * stride_qt + gl.where(q_ok, q_head, 0).to(gl.int64) * stride_qh
-        cv = gl.arange(0, _DV, layout=gl.SliceLayout(0, blk))
-        async_copy.async_copy_global_to_shared(q_v, q_row[:, None] + cv[None, :], mask=q_ok[:, None])
-        if HAS_PE:
-            cr = gl.arange(0, _DPE, layout=gl.SliceLayout(0, blk))
-            async_copy.async_copy_global_to_shared(q_r, q_row[:, None] + _DV + cr[None, :], mask=q_ok[:, None])
-        async_copy.commit_group()
-        async_copy.wait_group(0)
-        fence_async_shared()
-        gl.thread_barrier()
+        _load_q(q_ptr, q_v, q_r, stride_qt, stride_qh, mb, tok0, H, n_heads, GROUPED, HAS_PE)
 
         gl.warp_specialize([
             (_consumer, (q_v, q_r, ring_v, ring_r, ready, empty, rows_ptr, bits_ptr, row_stride, N, gid, n_rows,
@@ -475,24 +491,8 @@ if GLUON_IMPORT_ERROR is None:
         GROUPED: gl.constexpr, HAS_PE: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
         """The pair schedule (module comment above); same arguments and grid as ``sparse_mqa_sm90_kernel``."""
-        pid = gl.program_id(0)
-        gid = pid // m_blocks
-        mb = pid % m_blocks
-        if GROUPED:
-            glen = gl.load(glen_ptr + gid)
-            tok0 = gl.load(gstart_ptr + gid)
-            n_rows = gl.where(glen > 0, gl.load(nrows_ptr + gid), 0)
-            n_heads = gl.minimum(glen * H, group_heads)
-        else:
-            tok0 = gid
-            n_rows = K
-            if has_nrows:
-                n_rows = gl.minimum(gl.maximum(gl.load(nrows_ptr + gid), 0), K)
-            n_heads = H
-            if has_route:
-                if gl.load(route_ptr + gid) == 0:
-                    n_rows = 0
-                    n_heads = 0
+        gid, mb, tok0, n_rows, n_heads = _resolve_list(nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K, m_blocks,
+                                                       group_heads, has_nrows, has_route, GROUPED)
         n_pairs = gl.cdiv(n_rows, 2 * _BN)
 
         smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -522,25 +522,7 @@ if GLUON_IMPORT_ERROR is None:
         for i in gl.static_range(7):  # m0, m1, P0 ready, P1 ready, P1 free, l0, l1: one arrive each
             mbarrier.init(bars.index(i), count=1)
 
-        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        p_q = mb * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, blk))
-        if GROUPED:
-            q_tok = tok0 + p_q // H
-            q_head = p_q % H
-        else:
-            q_tok = tok0 + p_q * 0
-            q_head = p_q
-        q_ok = p_q < n_heads
-        q_row = q_ptr + q_tok.to(gl.int64) * stride_qt + gl.where(q_ok, q_head, 0).to(gl.int64) * stride_qh
-        cv = gl.arange(0, _DV, layout=gl.SliceLayout(0, blk))
-        async_copy.async_copy_global_to_shared(q_v, q_row[:, None] + cv[None, :], mask=q_ok[:, None])
-        if HAS_PE:
-            cr = gl.arange(0, _DPE, layout=gl.SliceLayout(0, blk))
-            async_copy.async_copy_global_to_shared(q_r, q_row[:, None] + _DV + cr[None, :], mask=q_ok[:, None])
-        async_copy.commit_group()
-        async_copy.wait_group(0)
-        fence_async_shared()
-        gl.thread_barrier()
+        _load_q(q_ptr, q_v, q_r, stride_qt, stride_qh, mb, tok0, H, n_heads, GROUPED, HAS_PE)
 
         args = (q_v, q_r, ring_v, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, ready, empty, bars, rows_ptr, bits_ptr,
                 row_stride, N, gid, n_rows, n_pairs, mb, tok0, H, n_heads, out_ptr, lse_ptr, stride_ot, stride_oh,
