@@ -151,6 +151,8 @@ def warmup(
     block_size: int = 64,
     return_lse: tuple[bool, ...] = (False, True),
     topk_length: tuple[bool, ...] = (False, True),
+    attn_sink: tuple[bool, ...] = (False,),
+    max_logits: tuple[bool, ...] = (False,),
     converter: bool = True,
 ) -> WarmupReport:
     """Run every kernel variant a configuration can use once, on tiny inputs (compiles them on GPU).
@@ -176,6 +178,9 @@ def warmup(
         overlap_guard: as passed to ``sparse_mla_fwd`` (-1 = default table, None = no guard).
         block_size: the cache block size for the converter.
         return_lse, topk_length: which lse / topk_length modes the engine uses (default both).
+        attn_sink, max_logits: whether the engine passes ``attn_sink`` / ``max_logits`` (as
+            ``flash_mla_sparse_fwd`` does: pass (True,)); default (False,). Each True adds the Triton
+            kernel's variants with that pointer (the Gluon kernel takes both as run-time arguments).
         converter: also warm the block-table converter.
 
     Returns:
@@ -228,20 +233,28 @@ def warmup(
     cols = torch.arange(topk, dtype=torch.int32)
     idx_all = torch.where(cols < n_small, cols, -1)[None, :].expand(t_big, topk).contiguous().to(device)
     tl_all = torch.full((t_big,), topk, dtype=torch.int32, device=device)
-    modes = [(with_lse, with_tl) for with_lse in return_lse for with_tl in topk_length]
-    for with_lse, with_tl in modes:
+    modes = [(lse_, tl_, sink_, ml_) for lse_ in return_lse for tl_ in topk_length for sink_ in attn_sink
+             for ml_ in max_logits]
+    sink_all = torch.zeros(num_heads, dtype=torch.float32, device=device)
+    ml_all = torch.empty(t_big, num_heads, dtype=torch.float32, device=device)
+
+    def extras(T: int, with_tl: bool, with_sink: bool, with_ml: bool) -> dict:
+        return dict(topk_length=tl_all[:T] if with_tl else None, attn_sink=sink_all if with_sink else None,
+                    max_logits=ml_all[:T] if with_ml else None)
+
+    for with_lse, with_tl, with_sink, with_ml in modes:
         T = min(2, cap)
         sparse_mla_fwd(q_all[:T], kv, idx_all[:T], scale, method="per_token", return_lse=with_lse,
-                       topk_length=tl_all[:T] if with_tl else None)
+                       **extras(T, with_tl, with_sink, with_ml))
         calls += 1
     for T, B in reps:
         cu = None
         if B is not None:
             cu = torch.div(torch.arange(B + 1) * T, B, rounding_mode="floor").to(torch.int32).to(device)
-        for with_lse, with_tl in modes:
+        for with_lse, with_tl, with_sink, with_ml in modes:
             sparse_mla_fwd(q_all[:T], kv, idx_all[:T], scale, method="grouped", cu_seqlens_q=cu, workspace=workspace,
                            group_size=G, overlap_guard=overlap_guard, return_lse=with_lse,
-                           topk_length=tl_all[:T] if with_tl else None)
+                           **extras(T, with_tl, with_sink, with_ml))
             calls += 1
 
     if converter:
