@@ -94,12 +94,21 @@ def sparse_mla_fwd(
     Conventions (this API): a query with no valid row gets out 0, lse -inf, max_logits -inf.
     ``sparse_mla.flash_mla_sparse_fwd`` is the FlashMLA-compatible call (its shapes, lse +inf there).
 
+    Non-finite kv rows: a NaN / inf in a row query t does not select never changes out[t] / lse[t]
+    with method="per_token"; method="grouped" can make the out of every query in the selecting
+    query's group non-finite (docs/DESIGN.md "Non-finite kv rows"). check=True raises on a
+    non-finite value in any selected row.
+
+    Backends: the attention runs the Gluon sm_90 kernel or the portable Triton one, chosen by
+    ``sparse_mla.mqa.backends`` (``SPARSE_MLA_MQA_BACKEND`` forces one); the union builder is chosen
+    by ``sparse_mla.union.backends``. All compute this same definition.
+
     Returns:
         out [T, H, d_v] in q's dtype, or (out, lse) with return_lse=True.
 
     Raises:
         TypeError: wrong type or dtype of an argument (q/kv bf16 or fp16; indices, topk_length,
-            cu_seqlens_q int32); bf16 q / kv under TRITON_INTERPRET=1 (the interpreter's bf16
+            cu_seqlens_q int32; out / lse of the wrong dtype); bf16 q / kv under TRITON_INTERPRET=1 (the interpreter's bf16
             tl.dot is wrong: use fp16 on the CPU).
         ValueError: shape / device / layout mismatches, D_qk not in {512, 576}, d_v != 512, an
             unknown method, a workspace that does not fit, CPU tensors without TRITON_INTERPRET=1,

@@ -84,6 +84,11 @@ def dsa_prefill(
         o: [T, H, v_head_dim] in q's dtype (0 for a token with no valid entry), or
         (o, decision) with return_decision=True.
 
+    Non-finite cache rows: only mqa_per_token keeps a NaN / inf row to the queries that select it;
+    mqa_grouped spreads it to the selecting query's group, dense_mha / masked_mha to any query of a
+    request whose window holds it (docs/DESIGN.md "Non-finite kv rows"). check=True raises on one in
+    any window row.
+
     Raises:
         TypeError, ValueError: bad arguments (``validate_dsa_prefill_args``), an unknown ``path``
             name, or no path that supports the step (e.g. a long prompt on a CPU without
