@@ -145,10 +145,12 @@ def main():
     rows = []
     for mask in [int(x) for x in a.ablate.split(",") if x]:
         gluon_sm90.ABLATE = mask
-        for r in per_token_rows(64, 8192, 2048, 32768, dev, ["gluon_sm90:split"]):
-            r["case"] = f"ablate {mask} per_token H64"
-            rows.append(r)
-        gluon_sm90.ABLATE = 0
+        try:
+            for r in per_token_rows(64, 8192, 2048, 32768, dev, ["gluon_sm90:split"]):
+                r["case"] = f"ablate {mask} per_token H64"
+                rows.append(r)
+        finally:
+            gluon_sm90.ABLATE = 0
     for H in (() if a.ablate else (128, 64) if a.quick else (128, 64, 32, 16)):
         rows += per_token_rows(H, 8192, 2048, 32768, dev, names)
     for H in (() if a.ablate else (16, ) if a.quick else (16, 32, 8)):

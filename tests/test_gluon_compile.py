@@ -84,4 +84,5 @@ def test_default_schedule_does_not_spill(compiled):
     rows = [r for r in compiled if r["variant"][3] == gluon_sm90.SCHEDULE]
     assert rows
     for row in rows:
+        assert row["spills"] is not None, f"{row['variant']}: no 'spill stores' line in the ptxas -v report"
         assert row["spills"] == 0, f"{row['variant']}: {row['spills']} bytes of spill stores"

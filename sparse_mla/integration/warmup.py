@@ -34,6 +34,7 @@ from ..interface import sparse_mla_fwd
 from ..kernels import index_convert
 from ..mqa import gluon_sm90
 from ..mqa import triton_tl as sparse_mqa
+from ..mqa.backends import GLUON_FEW_HEADS_MAX_TOKENS
 from ..union import backends as union_backends
 from ..union import cuda_smem as union_cuda_smem
 from ..union import triton_tl as union
@@ -180,7 +181,8 @@ def warmup(
         return_lse, topk_length: which lse / topk_length modes the engine uses (default both).
         attn_sink, max_logits: whether the engine passes ``attn_sink`` / ``max_logits`` (as
             ``flash_mla_sparse_fwd`` does: pass (True,)); default (False,). Each True adds the Triton
-            kernel's variants with that pointer (the Gluon kernel takes both as run-time arguments).
+            kernel's variants with that pointer (the Gluon kernel takes both as run-time arguments, with
+            typed placeholders when absent, so its variant does not change).
         converter: also warm the block-table converter.
 
     Returns:
@@ -227,7 +229,10 @@ def warmup(
     scale = d_qk**-0.5
     cap = workspace.max_tokens if workspace is not None else max_tokens
     reps = step_shape_reps(G, cap, max_requests, workspace.max_groups if workspace is not None else None)
-    t_big = max(T for T, _ in reps)
+    # per-token launches: a short step, and one past the token count above which few-head steps switch from
+    # the Gluon to the Triton kernel (sparse_mla.mqa.backends), so that both are compiled
+    per_token_T = sorted({min(2, cap)} | ({GLUON_FEW_HEADS_MAX_TOKENS + 1} if cap > GLUON_FEW_HEADS_MAX_TOKENS else set()))
+    t_big = max([T for T, _ in reps] + per_token_T)
     n_small = kv.shape[0]
     q_all = torch.randn(t_big, num_heads, d_qk, generator=gen).to(dtype).to(device)
     cols = torch.arange(topk, dtype=torch.int32)
@@ -242,11 +247,11 @@ def warmup(
         return dict(topk_length=tl_all[:T] if with_tl else None, attn_sink=sink_all if with_sink else None,
                     max_logits=ml_all[:T] if with_ml else None)
 
-    for with_lse, with_tl, with_sink, with_ml in modes:
-        T = min(2, cap)
-        sparse_mla_fwd(q_all[:T], kv, idx_all[:T], scale, method="per_token", return_lse=with_lse,
-                       **extras(T, with_tl, with_sink, with_ml))
-        calls += 1
+    for T in per_token_T:
+        for with_lse, with_tl, with_sink, with_ml in modes:
+            sparse_mla_fwd(q_all[:T], kv, idx_all[:T], scale, method="per_token", return_lse=with_lse,
+                           **extras(T, with_tl, with_sink, with_ml))
+            calls += 1
     for T, B in reps:
         cu = None
         if B is not None:

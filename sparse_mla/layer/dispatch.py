@@ -256,7 +256,7 @@ def explain(step: PrefillStep, path: str | None = None) -> PathDecision:
     from ..mqa.backends import describe_for_device
     from ..union.backends import describe_for_step
 
-    backend = describe_for_device()
+    backend = describe_for_device(num_heads=step.num_heads, num_tokens=step.num_tokens)
     union = describe_for_step(step.num_heads, step.topk)
     if requested is not None and sup[requested][0]:
         return PathDecision(requested, f"forced by {source}{requested}", requested, False, sup, ratio, backend, union)

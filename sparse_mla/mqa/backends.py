@@ -75,18 +75,20 @@ def gluon_sm90_applies(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | No
             return False, f"{name} is not 16-byte aligned (cp.async moves 16 B)"
         bad = [d for d in dims if t.stride(d) % 16]
         if bad:
-            return False, f"{name} stride {t.stride(bad[0])} along dim {bad[0]} is not a multiple of 16 elements"
+            return False, (f"{name} stride {t.stride(bad[0])} along dim {bad[0]} is not a multiple of 16 elements "
+                           "(the compiled Gluon variants assume 16-divisible strides, gluon_sm90._ALIGNED)")
     return True, why
 
 
 # The Gluon kernel's tile is 64 pseudo-heads; below this many per tile the Triton kernel's 16/32-row tiles win.
 # Measured on the H200 (results/gluon-v3.json, per token, T 8192, topk 2048): 16 heads Gluon 5.47 ms vs Triton
-# 4.14 ms; 32 heads 5.55 vs 5.82 ms; 64 heads 6.10 vs 9.29 ms. Grouped tiles hold G * H = 128 pseudo-heads.
+# 4.14 ms; 32 heads 5.55 vs 5.82 ms; 64 heads 5.90 vs 9.29 ms. Grouped tiles hold G * H = 128 pseudo-heads.
 GLUON_MIN_PSEUDO_HEADS = 32
-# ... except on short steps, where the Triton kernel's 16-row programs are too few to fill the GPU and the Gluon
-# kernel's pipelining wins even on a 3/4-empty tile: the layer bench (results/bench.json, rev a704472) ran 32K
-# cached + 256 / + 900 new tokens at 16 heads in 0.70 / 0.79 ms with Gluon on q padded to 64 heads against
-# 0.93 / 0.97 ms per token with Triton. Between 900 and 8192 tokens nothing was measured; 1024 is the measured win.
+# ... except on short steps, where the Triton kernel's 16-row programs are too few to fill the GPU. Weak evidence,
+# from the layer bench (results/bench-a704472.json): 32K cached + 256 / + 900 new tokens at 16 heads ran in
+# 0.69-0.79 ms with Gluon on q padded to 64 heads against 0.85-0.97 ms per token with Triton (layer calls, not
+# an A/B of the kernels; the next run, results/bench.json, has per token on Gluon at 0.89-1.39 ms, so per-call
+# overhead dominates there). Between 900 and 8192 tokens nothing was measured.
 GLUON_FEW_HEADS_MAX_TOKENS = 1024
 
 
@@ -130,16 +132,24 @@ def describe_backend(q: torch.Tensor, kv: torch.Tensor) -> str:
     return f"attention backend: {name} ({why})"
 
 
-def describe_for_device(device: torch.device | None = None, dtype: torch.dtype = torch.bfloat16) -> str:
+def describe_for_device(device: torch.device | None = None, dtype: torch.dtype = torch.bfloat16,
+                        num_heads: int | None = None, num_tokens: int | None = None) -> str:
     """The same line without tensors, for contiguous 16-byte aligned ones on ``device`` (default: the
-    current CUDA device, else the CPU); what ``sparse_mla.layer.explain`` prints."""
+    current CUDA device, else the CPU), for the per-token launch of ``num_heads`` heads over ``num_tokens``
+    tokens when given (grouped tiles hold 128 pseudo-heads); what ``sparse_mla.layer.explain`` prints."""
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     forced = os.environ.get(ENV_VAR, "auto").strip() or "auto"
     ok, why = gluon_sm90_device_applies(device, dtype)
     if forced != "auto":
         return f"attention backend: {forced} (forced by {ENV_VAR}; gluon_sm90 {'applies' if ok else 'n/a: ' + why})"
-    return f"attention backend: gluon_sm90 ({why})" if ok else f"attention backend: triton (gluon_sm90 does not apply: {why})"
+    if not ok:
+        return f"attention backend: triton (gluon_sm90 does not apply: {why})"
+    if (num_heads is not None and num_tokens is not None and num_heads < GLUON_MIN_PSEUDO_HEADS
+            and num_tokens > GLUON_FEW_HEADS_MAX_TOKENS):
+        return (f"attention backend: gluon_sm90 for grouped tiles, triton per token ({num_heads} heads < "
+                f"{GLUON_MIN_PSEUDO_HEADS} on {num_tokens} > {GLUON_FEW_HEADS_MAX_TOKENS} tokens; {why})")
+    return f"attention backend: gluon_sm90 ({why})"
 
 
 def _sink_fallback(name: str, why: str, attn_sink, max_logits) -> tuple[str, str, dict]:

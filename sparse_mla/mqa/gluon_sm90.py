@@ -18,7 +18,7 @@ softmax in base 2 (row max exchanged across the warpgroups), and O += P.V over t
 columns of the same tile (each warpgroup owns 256 value columns). Epilogue: O / l, LSE in natural
 log; a pseudo-head with no valid row gets out 0 and lse -inf; stores are bounded to the real rows.
 
-Shared memory (bf16/fp16, D_qk 576): Q 72 KB + 2 stages x 72 KB = 216 KB of 227 KB.
+Shared memory (bf16/fp16, D_qk 576): Q 72 KB + 2 stages x 72 KB + scratch = 225,316 B of 232,448 (227 KB).
 
 The kernels are written against Triton's Gluon API of the versions in ``SUPPORTED_TRITON`` (the API
 moves between releases); ``sparse_mla.mqa.backends`` uses them only there, and CI compiles every
@@ -183,7 +183,7 @@ if GLUON_IMPORT_ERROR is None:
         dt: gl.constexpr = ring_v.dtype
         kpos = gl.arange(0, _BN, layout=gl.SliceLayout(0, s_l))
         p_s = mb * _BH + gl.arange(0, _BH, layout=rows_s)  # pseudo-head of each S row
-        qi_s = p_s // H  # its query within the group (grouped mode)
+        qi_s = gl.where(p_s < n_heads, p_s // H, -1)  # its query within the group (grouped mode), -1 past the real rows
         list_base = rows_ptr + gid.to(gl.int64) * row_stride
         bits_base = bits_ptr + gid.to(gl.int64) * row_stride
         m_i = gl.full([_BH], float("-inf"), gl.float32, layout=rows_s)
@@ -196,7 +196,7 @@ if GLUON_IMPORT_ERROR is None:
             in_list = pos < n_rows
             if GROUPED:  # issued before the wait: latency hidden by it
                 bits = gl.load(bits_base + pos, mask=in_list, other=0)
-                allowed = ((bits[None, :] >> qi_s[:, None]) & 1) != 0
+                allowed = (((bits[None, :] >> gl.maximum(qi_s, 0)[:, None]) & 1) != 0) & (qi_s >= 0)[:, None]
             else:
                 idx = gl.load(list_base + pos, mask=in_list, other=-1)
                 allowed = ((idx >= 0) & (idx < N))[None, :]
@@ -568,6 +568,20 @@ def variant_constexprs(grouped: bool, has_pe: bool, schedule: str | None = None)
     return dict(GROUPED=grouped, HAS_PE=has_pe, CONSUMER_REGS=PAIR_CONSUMER_REGS, num_warps=4)
 
 
+_PLACEHOLDERS: dict = {}
+
+
+def _placeholders(device):
+    """One-element fp32 and int8 tensors per device, passed for absent optional pointers (never read)."""
+    key = str(device)
+    if key not in _PLACEHOLDERS:
+        import torch
+
+        _PLACEHOLDERS[key] = (torch.zeros(1, dtype=torch.float32, device=device),
+                              torch.zeros(1, dtype=torch.int8, device=device))
+    return _PLACEHOLDERS[key]
+
+
 def num_m_blocks(num_pseudo_heads: int) -> int:
     """CTAs per list: 64 pseudo-heads each."""
     return triton.cdiv(num_pseudo_heads, BLOCK_H)
@@ -589,16 +603,17 @@ def launch(q, kv, rows, bits, nrows, group_start, group_len, route, out, lse, sm
     if num_lists == 0:
         return
     m_blocks = num_m_blocks(group_heads)
-    dummy = rows
+    dummy = rows  # an int32 placeholder for absent int32 inputs
+    f32, i8 = _placeholders(q.device)  # typed placeholders keep the argument types, hence the compiled variant, fixed
     _kernel_for(SCHEDULE)[(num_lists * m_blocks, )](
         q, kv, rows, bits if bits is not None else dummy, nrows if nrows is not None else dummy,
         group_start if group_start is not None else dummy, group_len if group_len is not None else dummy,
-        route if route is not None else dummy, out, lse if lse is not None else out,
+        route if route is not None else i8, out, lse if lse is not None else f32,
         q.stride(0), q.stride(1), kv.stride(0), rows.stride(0), out.stride(0), out.stride(1),
         lse.stride(0) if lse is not None else 0,
         kv.shape[0], H, rows.shape[1], sm_scale * LOG2E, m_blocks, group_heads,
         int(nrows is not None), int(route is not None), int(lse is not None),
-        attn_sink if attn_sink is not None else dummy, max_logits if max_logits is not None else dummy,
+        attn_sink if attn_sink is not None else f32, max_logits if max_logits is not None else f32,
         max_logits.stride(0) if max_logits is not None else 0, int(attn_sink is not None), int(max_logits is not None),
         **variant_constexprs(grouped, D > D_V),
     )
