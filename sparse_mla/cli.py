@@ -301,8 +301,10 @@ def report_cmd(
         meta, rows = bench_rows(doc, json_file)
     except (OSError, ValueError) as e:
         raise typer.BadParameter(str(e), param_hint="JSON") from None
+    kinds = sorted({r["pad64_baseline"] for r in rows if r.get("pad64_baseline")})
+    baseline = f", pad-64 baseline {' / '.join(kinds)}" if kinds else ""
     typer.echo(f"<!-- `sparse-mla report {json_file}`: {meta.get('gpu', '?')}, rev {meta.get('git_revision', '?')}, "
-               f"{meta.get('date', '?')}, {meta.get('dtype', '?')}, top-k {meta.get('overlap', '?')} -->")
+               f"{meta.get('date', '?')}, {meta.get('dtype', '?')}, top-k {meta.get('overlap', '?')}{baseline} -->")
     if meta.get("timings_meaningful") is False:
         typer.echo("(Triton interpreter run: the times are not performance numbers)\n")
     typer.echo(markdown_table(rows))

@@ -357,3 +357,33 @@ def test_cpu_bench_plot(bench_json, tmp_path):
     gpu = plot(str(tmp_path / "g.png"), json.loads(COMMITTED.read_text())["results"], interpreted=False)
     assert "interpreter" not in gpu["title"]
     assert all_of(p["kind"] == "lines" and len(p["x"]) >= 2 for p in gpu["panels"])
+
+
+def test_pad64_baseline_runs_flash_mla_when_installed(monkeypatch):
+    """With a ``flash_mla`` package importable on a Hopper GPU the pad-64 baseline calls its
+    ``flash_mla_sparse_fwd`` (FlashMLA's shapes: kv [N, 1, D], indices [T, 1, K]); emulated here by a
+    stand-in module over this package's compatible entry point, it must give the same output as the
+    default pad-64 run, and the bench records which baseline ran."""
+    import types
+
+    import sparse_mla
+    from sparse_mla.bench import baselines
+    from sparse_mla.bench.inputs import make_inputs
+    from sparse_mla.workloads.models import MODELS
+
+    calls = []
+
+    def fake_fwd(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
+        calls.append((tuple(q.shape), tuple(kv.shape), tuple(indices.shape)))
+        return sparse_mla.flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=d_v, attn_sink=attn_sink,
+                                               topk_length=topk_length)
+
+    inp = make_inputs(MODELS["glm-5"], 40, 24, 32, 16, "mid", 5, torch.device("cpu"), torch.float16)
+    T, H = inp["q_nope"].shape[:2]
+    default = baselines.mqa_per_token_pad64(inp, torch.empty(T, H, 256, dtype=torch.float16))
+    assert baselines.pad64_baseline_kind(torch.device("cpu")) == "sparse_mla:triton"
+    monkeypatch.setattr(baselines, "_flash_mla_module", lambda: types.SimpleNamespace(flash_mla_sparse_fwd=fake_fwd))
+    monkeypatch.setattr(baselines, "pad64_baseline_kind", lambda device: "flash_mla")
+    flash = baselines.mqa_per_token_pad64(inp, torch.empty(T, H, 256, dtype=torch.float16))
+    assert calls == [((T, 64, 576), (64, 1, 576), (T, 1, 32))]
+    torch.testing.assert_close(flash, default, atol=2e-3, rtol=2e-3)

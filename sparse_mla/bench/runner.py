@@ -34,7 +34,7 @@ from ..layer import dsa_prefill, explain
 from ..layer.config import causal_sums
 from ..layer.dispatch import PATH_NAMES, PATHS, sparse_work, work_ratio
 from ..workloads.traces import TopkTrace
-from .baselines import PAD64_NAME, mqa_per_token_pad64, pad64_supports
+from .baselines import PAD64_NAME, mqa_per_token_pad64, pad64_baseline_kind, pad64_supports
 from .check import CHECK_TOLERANCE, check_tolerance, chunk_bounds, max_rel_err, reference_chunks
 from .inputs import layer_step, make_inputs, trace_inputs
 from .scenarios import Scenario
@@ -165,6 +165,7 @@ def run_scenario(sc: Scenario, *, dtype: torch.dtype, device: torch.device, over
         "chosen_ms": chosen.get("ms"), "chosen_tflops": chosen.get("tflops"),
         "chosen_speedup_vs_per_token": chosen.get("speedup_vs_per_token"),
         "chosen_speedup_vs_pad64": chosen.get("speedup_vs_pad64"),
+        "pad64_baseline": pad64_baseline_kind(device),
         "best_path": best_path(paths),
         "max_rel_err": max(errs) if errs and all(e == e for e in errs) else float("nan"),
         "check_tol": tol,

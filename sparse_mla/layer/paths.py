@@ -218,7 +218,8 @@ def absorb_queries(p: DSAPrefillProblem, q_heads: int | None = None) -> torch.Te
     return q
 
 
-def absorbed_mqa(p: DSAPrefillProblem, out: torch.Tensor, method: str, q_heads: int | None = None) -> torch.Tensor:
+def absorbed_mqa(p: DSAPrefillProblem, out: torch.Tensor, method: str, q_heads: int | None = None,
+                 attention=None) -> torch.Tensor:
     """The absorbed (MQA) form of the step, written into ``out`` [T, H, v_head_dim] (q's dtype):
     ``absorb_queries`` -> ``sparse_mla_fwd(method=method)`` over the latent rows [N, r + qk_rope]
     (entries outside each token's causal window turned into padding, groups inside requests) ->
@@ -231,8 +232,12 @@ def absorbed_mqa(p: DSAPrefillProblem, out: torch.Tensor, method: str, q_heads: 
         q_heads: heads of the query handed to the kernel, zero-padded beyond H (default H): the
             64-head minimum of FlashMLA's sparse prefill, which engines pad to on Hopper (the
             benchmark's baseline, ``sparse_mla.bench.baselines``).
+        attention: the latent attention call, ``sparse_mla_fwd``'s signature (default ``sparse_mla_fwd``;
+            the benchmark passes FlashMLA's kernel behind an adapter when it is installed).
     """
     from ..interface import sparse_mla_fwd
+
+    attention = attention or sparse_mla_fwd
 
     H = p.q_nope.shape[1]
     r, dr = p.step.kv_lora_rank, p.step.qk_rope_head_dim
@@ -245,7 +250,7 @@ def absorbed_mqa(p: DSAPrefillProblem, out: torch.Tensor, method: str, q_heads: 
     lo, win = token_windows(p.step.new_lens, p.step.cached_lens, p.row_offsets, dev)
     idx = restrict_to_windows(p.indices, lo, win)
     cu = to_device_async(torch.tensor([0, *itertools.accumulate(p.step.new_lens)], dtype=torch.int32), dev)
-    latent = sparse_mla_fwd(q, kv_rows, idx, p.sm_scale, d_v=r, topk_length=p.topk_length, method=method, cu_seqlens_q=cu)
+    latent = attention(q, kv_rows, idx, p.sm_scale, d_v=r, topk_length=p.topk_length, method=method, cu_seqlens_q=cu)
     out.copy_(torch.bmm(latent[:, :H].transpose(0, 1), p.w_uv.transpose(1, 2)).transpose(0, 1))
     return out
 
