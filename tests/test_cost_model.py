@@ -145,3 +145,14 @@ def test_projection_rows_are_marked_and_consistent():
             assert by[(m, T, link, "reduced", n)]["shardq_ms"] <= r["shardq_ms"]
         assert r["speedup"] == pytest.approx(r["tp_ms"] / r["shardq_ms"])
     assert "PROJECTION" in cm.format_projection(rows)
+
+
+def test_model_vs_measured_for_the_bench_table():
+    sq, _ = cm.default_docs()
+    rows, note = cm.model_vs_measured(sq["results"])
+    assert len(rows) == 12 and "GB/s" in note
+    interp = [dict(r, interpreted=True) for r in sq["results"]]
+    assert cm.model_vs_measured(interp) == ([], "interpreter run: no modelled figures")
+    odd = [dict(sq["results"][2], d_qk=512)]  # a shardq row whose widths are not the absorbed ones
+    rows, note = cm.model_vs_measured(odd)
+    assert rows == [] and "cannot take" in note

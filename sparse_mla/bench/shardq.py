@@ -469,6 +469,20 @@ def print_shardq_table(results: list[dict]) -> None:
         summary.add_row(s["model"], str(s["tp"]), str(s["tokens"]), s["tp_best_variant"], _fmt(s["tp_best_ms"], ".3f"),
                         s["shardq_best_variant"], _fmt(s["shardq_best_ms"], ".3f"), _fmt(s["speedup"], ".2f") + "x")
     console.print(summary)
+    from ..distributed.cost_model import model_vs_measured
+
+    modelled, note = model_vs_measured(results)
+    if modelled:
+        mt = Table(title=f"Cost model beside the measurement ({note})")
+        for col in ("model", "W", "T", "variant", "xchg ms", "model", "err", "total ms", "model ", "err ", "speedup",
+                    "model  "):
+            mt.add_column(col, justify="right")
+        for m in modelled:
+            mt.add_row(m["model"], str(m["tp"]), str(m["tokens"]), m["variant"], _fmt(m["measured_xchg_ms"], ".2f"),
+                       _fmt(m["model_xchg_ms"], ".2f"), f"{m['xchg_err']:+.1%}", _fmt(m["measured_total_ms"], ".2f"),
+                       _fmt(m["model_total_ms"], ".2f"), f"{m['total_err']:+.1%}", _fmt(m["measured_speedup"], ".2f"),
+                       _fmt(m["model_speedup"], ".2f"))
+        console.print(mt)
 
 
 def plot_shardq(path: str, results: list[dict]) -> None:

@@ -416,6 +416,29 @@ def calibrated_links(shardq_doc: dict) -> tuple[Link, Link]:
     return held_in, all_rows
 
 
+def model_vs_measured(results: list[dict], link: Link | None = None) -> tuple[list[dict], str]:
+    """Modelled figures beside the measured ones for the ShardQ rows of a ``run_shardq_bench`` run
+    (``validate`` on its rows): the exchange modelled with ``link``, by default the link fitted on
+    the committed results/bench_shardq.json (all rows), so that a new run tests the model rather
+    than refitting it. Returns (rows, a line naming the link); no rows for an interpreter run, a
+    model of unknown layout, or when the committed file is not there (an installed package).
+    """
+    rows = [r for r in results if not r.get("interpreted")]
+    if not rows:
+        return [], "interpreter run: no modelled figures"
+    if link is None:
+        try:
+            link = calibrated_links(default_docs()[0])[1]
+        except OSError as e:
+            return [], f"no committed results/bench_shardq.json to calibrate the link ({e.__class__.__name__})"
+    try:
+        out = validate({"results": rows}, link)
+    except (KeyError, ValueError) as e:
+        return [], f"rows the model cannot take ({e})"
+    return out, (f"link {link.name}: {link.bandwidth_gbs:.0f} GB/s per direction, latency {link.latency_ms:.3f} ms, "
+                 f"copies at {link.copy_gbs:.0f} GB/s; attention times are the run's own")
+
+
 def format_validation(rows: list[dict]) -> str:
     lines = [f"{'model':14} {'W':>2} {'T':>6} {'variant':17} {'xchg meas':>9} {'model':>7} {'err':>6} "
              f"{'total meas':>10} {'model':>7} {'err':>6} {'speedup meas':>12} {'model':>6}"]
@@ -463,4 +486,4 @@ if __name__ == "__main__":  # pragma: no cover
 
 __all__ = ["Link", "ExchangeBytes", "Prediction", "FORMS", "NVLINK_H200_PEAK", "exchange_widths", "exchange_bytes",
            "exchange_ms", "pipelined_ms", "shardq_step_ms", "extra_weight_bytes", "fit_link", "validate",
-           "projection_table", "calibrated_links", "default_docs"]
+           "projection_table", "calibrated_links", "default_docs", "model_vs_measured"]
