@@ -9,10 +9,12 @@ pipeline against the unchunked result.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
-from lib import LAYER_ROW_TOLERANCE, assert_rows_close
+from lib import LAYER_ROW_TOLERANCE, TOLERANCE, assert_rows_close
 from test_shardq import GLOO, Case, _spawn, build_problem, cpu_only
 
 from sparse_mla.distributed import cost_model
@@ -132,3 +134,36 @@ def test_reduced_exchange_widths_match_the_cost_model():
         cfg = get_model(name)
         assert cost_model.exchange_widths(cfg, "reduced") == (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
                                                               cfg.v_head_dim)
+
+
+def _layer_bench_task(rank: int, W: int, backend, out_file: str) -> None:
+    from sparse_mla.bench.shardq_layer import run_shardq_layer_bench
+
+    doc = run_shardq_layer_bench([("glm-5", W)], [40], topk=16, trials=1, chunks=(1, 3))
+    if rank == 0:
+        with open(out_file, "w") as f:
+            json.dump(doc, f)
+    else:
+        assert doc is None
+
+
+@pytest.mark.slow
+@cpu_only
+def test_shardq_layer_bench_on_gloo_ranks(tmp_path, monkeypatch):
+    """sparse_mla.bench.shardq_layer on 2 gloo ranks: every variant runs, is checked against TP and the
+    fp32 layer definition, and carries the cost model's figure."""
+    from sparse_mla.bench.shardq_layer import format_rows
+
+    out_file = tmp_path / "layer.json"
+    _spawn(monkeypatch, tmp_path, 2, GLOO, _layer_bench_task, str(out_file), timeout_s=180.0)
+    doc = json.loads(out_file.read_text())
+    rows = doc["results"]
+    assert [(r["variant"], r["chunks"]) for r in rows] == [("tp", 1), ("shardq-absorbed", 1), ("shardq-absorbed", 3),
+                                                           ("shardq-reduced", 1), ("shardq-reduced", 3)]
+    tol = TOLERANCE[torch.float16]
+    for r in rows:
+        assert r["check_ok"] and r["err_vs_ref"] < tol and r["err_vs_tp"] < tol, r
+        assert r["total_ms"] >= r["attention_ms"] > 0 and r["interpreted"]
+        assert ("model_ms" in r) == (r["variant"] != "tp")
+    assert doc["meta"]["cost_model_link"]["bandwidth_gbs"] > 0 and doc["meta"]["chunks"] == [1, 3]
+    assert "INTERPRETER" in format_rows(rows)
