@@ -164,6 +164,19 @@ def _start_distributed() -> tuple[torch.device, torch.dtype]:
 # ---------------------------------------------------------------------------------------------
 
 
+def _flush_and_barrier(device: torch.device, on_gpu: bool) -> tuple[Callable[[], object], Callable[[], None]]:
+    """(flush, barrier) for ``_timed_iterations``: an L2 flush (zeroing FLUSH_BYTES on a GPU) and a barrier
+    across the ranks that also waits for this rank's device work."""
+    flush_buf = torch.empty(FLUSH_BYTES if on_gpu else 1, dtype=torch.uint8, device=device)
+
+    def barrier() -> None:
+        dist.barrier()
+        if on_gpu:
+            torch.cuda.synchronize(device)
+
+    return flush_buf.zero_, barrier
+
+
 def _timed_iterations(fn: Callable[[dict], None], trials: int, warmup: int, flush: Callable[[], None],
                       barrier: Callable[[], None]) -> list[dict]:
     """This rank's ``timings`` dicts of the ``trials`` iterations after ``warmup`` untimed ones."""
@@ -272,12 +285,7 @@ def _bench_point(cfg: MLAConfig, T: int, *, topk: int, overlap: str, trials: int
         variants["shardq/grouped"] = (functools.partial(shardq_sparse_mla_fwd, method="grouped", attn_fn=grouped, **sq),
                                       G_sq, True)
 
-    flush_buf = torch.empty(FLUSH_BYTES if on_gpu else 1, dtype=torch.uint8, device=device)
-
-    def barrier() -> None:
-        dist.barrier()
-        if on_gpu:
-            torch.cuda.synchronize(device)
+    flush, barrier = _flush_and_barrier(device, on_gpu)
 
     baseline = sample = ref = None
     if check:
@@ -295,7 +303,7 @@ def _bench_point(cfg: MLAConfig, T: int, *, topk: int, overlap: str, trials: int
             fn(q_local, kv, indices, scale, timings=timings, **extra)
 
         out.fill_(float("nan"))
-        recs = _timed_iterations(call, trials, warmup, flush_buf.zero_, barrier)
+        recs = _timed_iterations(call, trials, warmup, flush, barrier)
         if has_info and info.get("path") != "shardq":
             raise RuntimeError(f"{name}: expected the ShardQ path, got {info}")
         gathered: list = [None] * W

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ..workloads.models import get_model
 from .check import check_tolerance
-from .shardq import CHECK_ROWS, FLUSH_BYTES, WARMUP_GPU, _check_args, _rel_err, _start_distributed, _timed_iterations
+from .shardq import CHECK_ROWS, WARMUP_GPU, _check_args, _flush_and_barrier, _rel_err, _start_distributed, _timed_iterations
 
 DEFAULT_CHUNKS = (1, 2, 4)
 
@@ -82,12 +82,7 @@ def _bench_point(cfg, T, *, topk, overlap, trials, warmup, seed, chunks, check, 
         for n in chunks:
             variants.append((f"shardq-{form}", n, lambda t, form=form, n=n: shardq_mla_attention(
                 q_nope, q_pe, w, kv, indices, scale, exchange=form, chunks=n, min_tokens=0, timings=t, **common)))
-    flush_buf = torch.empty(FLUSH_BYTES if on_gpu else 1, dtype=torch.uint8, device=device)
-
-    def barrier() -> None:
-        dist.barrier()
-        if on_gpu:
-            torch.cuda.synchronize(device)
+    flush, barrier = _flush_and_barrier(device, on_gpu)
 
     sample = ref = tp_out = None
     if check:
@@ -102,7 +97,7 @@ def _bench_point(cfg, T, *, topk, overlap, trials, warmup, seed, chunks, check, 
         def call(timings: dict, fn=fn, outs=outs) -> None:
             outs[:] = [fn(timings)]
 
-        recs = _timed_iterations(call, trials, warmup, flush_buf.zero_, barrier)
+        recs = _timed_iterations(call, trials, warmup, flush, barrier)
         gathered: list = [None] * W
         dist.all_gather_object(gathered, recs)
 
