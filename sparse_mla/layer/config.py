@@ -215,14 +215,20 @@ class DSAPrefillProblem:
 def token_windows(new_lens: Sequence[int], cached_lens: Sequence[int], row_offsets: Sequence[int],
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per new token: (lo [T] int64, win [T] int64) on ``device``; token i of request b may see the
-    global rows lo .. lo + win - 1, lo = row_offsets[b], win = cached_b + i + 1."""
-    new = torch.tensor(list(new_lens), dtype=torch.int64)
+    global rows lo .. lo + win - 1, lo = row_offsets[b], win = cached_b + i + 1. One request is built on
+    the device directly (no host tensor, no copy: the common prefill step costs two small kernels)."""
+    new_lens, cached_lens, row_offsets = list(new_lens), list(cached_lens), list(row_offsets)
+    if len(new_lens) == 1:
+        T, c = int(new_lens[0]), int(cached_lens[0])
+        win = torch.arange(c + 1, c + T + 1, dtype=torch.int64, device=device)
+        return torch.full((T, ), int(row_offsets[0]), dtype=torch.int64, device=device), win
+    new = torch.tensor(new_lens, dtype=torch.int64)
     T = int(new.sum())
     req = torch.repeat_interleave(torch.arange(len(new)), new)
     first = torch.cumsum(new, 0) - new
     i = torch.arange(T) - first[req]
-    lo = torch.tensor(list(row_offsets), dtype=torch.int64)[req]
-    win = torch.tensor(list(cached_lens), dtype=torch.int64)[req] + i + 1
+    lo = torch.tensor(row_offsets, dtype=torch.int64)[req]
+    win = torch.tensor(cached_lens, dtype=torch.int64)[req] + i + 1
     return to_device_async(lo, device), to_device_async(win, device)
 
 

@@ -234,13 +234,15 @@ def what_to_change(step: PrefillStep, sup: dict[str, tuple[bool, str]]) -> list[
     return out or ["nothing known: please report the step (explain(step) prints every path's reason)"]
 
 
-def explain(step: PrefillStep, path: str | None = None) -> PathDecision:
+def explain(step: PrefillStep, path: str | None = None, *, describe_backends: bool = True) -> PathDecision:
     """The decision for ``step`` with every path's ``supports`` answer (no logging, no warning
     except for an unknown name in the environment variable).
 
     Args:
         step: the plain-Python step description.
         path: None or "auto" (automatic, or the environment variable if set), or a path name.
+        describe_backends: fill ``attention_backend`` / ``union_backend`` (device queries and string
+            building: ~0.1 ms of host time, which ``dsa_prefill``'s own call skips).
 
     Returns:
         ``PathDecision``; ``fell_back`` is True when the forced path does not support the step.
@@ -256,8 +258,8 @@ def explain(step: PrefillStep, path: str | None = None) -> PathDecision:
     from ..mqa.backends import describe_for_device
     from ..union.backends import describe_for_step
 
-    backend = describe_for_device(num_heads=step.num_heads, num_tokens=step.num_tokens)
-    union = describe_for_step(step.num_heads, step.topk)
+    backend = describe_for_device(num_heads=step.num_heads, num_tokens=step.num_tokens) if describe_backends else ""
+    union = describe_for_step(step.num_heads, step.topk) if describe_backends else ""
     if requested is not None and sup[requested][0]:
         return PathDecision(requested, f"forced by {source}{requested}", requested, False, sup, ratio, backend, union)
     name, why = auto_path(step, sup, ratio)
@@ -274,9 +276,9 @@ def choose_path(step: PrefillStep, path: str | None = None) -> tuple[str, str]:
 
 
 def decide_and_log(step: PrefillStep, path: str | None = None) -> PathDecision:
-    """``explain``, plus the one log line of a call (DEBUG; WARNING and a ``PathFallbackWarning``
-    when a forced path fell back)."""
-    d = explain(step, path)
+    """``explain`` (without the backend descriptions), plus the one log line of a call (DEBUG; WARNING
+    and a ``PathFallbackWarning`` when a forced path fell back)."""
+    d = explain(step, path, describe_backends=False)
     if d.fell_back:
         logger.warning("dsa_prefill: %s", d.reason)
         warnings.warn(d.reason, PathFallbackWarning, stacklevel=3)

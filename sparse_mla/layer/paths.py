@@ -249,7 +249,9 @@ def absorbed_mqa(p: DSAPrefillProblem, out: torch.Tensor, method: str, q_heads: 
         kv_rows = torch.cat([p.kv_c, p.k_pe], dim=-1)
     lo, win = token_windows(p.step.new_lens, p.step.cached_lens, p.row_offsets, dev)
     idx = restrict_to_windows(p.indices, lo, win)
-    cu = to_device_async(torch.tensor([0, *itertools.accumulate(p.step.new_lens)], dtype=torch.int32), dev)
+    # one request: no cu_seqlens_q (groups cannot cross a boundary that is not there; saves a host copy)
+    cu = (to_device_async(torch.tensor([0, *itertools.accumulate(p.step.new_lens)], dtype=torch.int32), dev)
+          if len(p.step.new_lens) > 1 else None)
     latent = attention(q, kv_rows, idx, p.sm_scale, d_v=r, topk_length=p.topk_length, method=method, cu_seqlens_q=cu)
     out.copy_(torch.bmm(latent[:, :H].transpose(0, 1), p.w_uv.transpose(1, 2)).transpose(0, 1))
     return out

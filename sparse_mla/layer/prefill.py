@@ -78,7 +78,8 @@ def dsa_prefill(
             and lists that are not whole windows when the dense path is eligible.
         out: optional preallocated o, [T, H, v_head_dim] in q's dtype on q's device, last dim
             contiguous (written and returned).
-        return_decision: also return the ``PathDecision`` (path, reason, supports table).
+        return_decision: also return the ``PathDecision`` (path, reason, supports table; its backend
+            descriptions are left empty: ``explain(step)`` fills them).
 
     Returns:
         o: [T, H, v_head_dim] in q's dtype (0 for a token with no valid entry), or
