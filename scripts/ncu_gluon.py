@@ -1,0 +1,39 @@
+"""One launch of the Gluon sparse MQA kernel (per token, T tokens, H heads, topk 2048, 32K rows) to profile
+under Nsight Compute, e.g.
+
+    ncu --kernel-name regex:sparse_mqa --launch-skip 2 --launch-count 1 --set full \
+        python scripts/ncu_gluon.py --heads 64 --tokens 2048 [--schedule split]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from sparse_mla import sparse_mla_fwd
+from sparse_mla.mqa import gluon_sm90
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--heads", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--schedule", default="split", choices=gluon_sm90.SCHEDULES)
+    a = ap.parse_args()
+    os.environ["SPARSE_MLA_MQA_BACKEND"] = "gluon_sm90"
+    gluon_sm90.SCHEDULE = a.schedule
+    dev = torch.device("cuda")
+    T, H, N, K = a.tokens, a.heads, 32768, 2048
+    torch.manual_seed(0)
+    q = torch.randn(T, H, 576, device=dev, dtype=torch.bfloat16)
+    kv = torch.randn(N, 576, device=dev, dtype=torch.bfloat16)
+    idx = torch.rand(T, N, device=dev).topk(K, dim=1).indices.to(torch.int32)
+    for _ in range(3):
+        sparse_mla_fwd(q, kv, idx, 576 ** -0.5)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
