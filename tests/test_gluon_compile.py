@@ -37,13 +37,45 @@ for v in g.all_variants():
     spills = None
     with open("/tmp/sparse_mla_gluon_check.ptx", "w") as f:
         f.write(k.asm["ptx"])
-    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", "/tmp/sparse_mla_gluon_check.ptx", "-o", "/dev/null"],
-                       capture_output=True, text=True)
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", "/tmp/sparse_mla_gluon_check.ptx", "-o",
+                        "/tmp/sparse_mla_gluon_check.cubin"], capture_output=True, text=True)
     found = re.findall(r"(\d+) bytes spill stores", r.stderr)
     spills = int(found[0]) if found else None
-    rows.append(dict(variant=list(v), shared=k.metadata.shared, spills=spills, triton=triton.__version__))
+    sass = subprocess.run([cuobjdump, "-sass", "/tmp/sparse_mla_gluon_check.cubin"], capture_output=True,
+                          text=True).stdout
+    rows.append(dict(variant=list(v), shared=k.metadata.shared, spills=spills, triton=triton.__version__,
+                     hot_local=hot_local_accesses(sass)))
 print(json.dumps(rows))
 """
+
+# SASS scan, run inside the compile subprocess: local-memory (spill) accesses inside a tile loop, an innermost
+# one of the shortest backward-branch ranges around wgmma (HGMMA) and cp.async (LDGSTS) instructions. A save /
+# restore once per work item is harmless; one in a tile loop costs every tile.
+_SASS_SCAN = r"""
+def hot_local_accesses(sass):
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2)))
+    hot = {a for a, t in ins if "HGMMA" in t or "LDGSTS" in t}
+    loops = []
+    for a, t in ins:
+        m = re.search(r"\bBRA\s+(?:`\()?0x([0-9a-f]+)", t)
+        if m and int(m.group(1), 16) < a:
+            lo = int(m.group(1), 16)
+            if any(lo <= h <= a for h in hot):
+                loops.append((lo, a))
+    # each hot instruction's loop: the shortest range around it (ranges closed by out-of-line retry stubs of
+    # mbarrier waits, which jump back from past the kernel body, are longer than the loop they sit in)
+    inner = {min((r for r in loops if r[0] <= h <= r[1]), key=lambda r: r[1] - r[0], default=None) for h in hot}
+    inner.discard(None)
+    # ... and of those the innermost (a work-item loop holding the Q copy also holds the tile loops: not one)
+    inner = [r for r in inner if not any(o != r and r[0] <= o[0] and o[1] <= r[1] for o in inner)]
+    return [f"{a:#x} {t.strip()}" for a, t in ins
+            if ("LDL" in t or "STL" in t) and any(lo <= a <= hi for lo, hi in inner)]
+"""
+_SCRIPT = _SCRIPT.replace("rows = []", _SASS_SCAN + "\ncuobjdump = ptxas[:-len('ptxas')] + 'cuobjdump'\nrows = []")
 
 
 @pytest.fixture(scope="module")
@@ -77,12 +109,35 @@ def test_every_variant_compiles_within_shared_memory(compiled):
         assert 0 < row["shared"] <= SMEM_LIMIT, f"{row['variant']}: {row['shared']} B of shared memory > {SMEM_LIMIT}"
 
 
-def test_default_schedule_does_not_spill(compiled):
-    """The schedule the package launches by default keeps every partition in registers (ptxas -v)."""
+# The persistent split kernel's producer keeps one 64-bit argument and the consumer one 32-bit value in local memory
+# across work items (saved once, reloaded once per item, outside the tile loops: tests below), within this budget.
+SPILL_BUDGET = 32
+
+
+def test_default_schedule_does_not_spill_in_its_loops(compiled):
+    """The schedule the package launches by default spills at most SPILL_BUDGET bytes (ptxas -v), and none of
+    it inside a tile loop (SASS: no local-memory access in an innermost loop holding wgmma or cp.async)."""
     from sparse_mla.mqa import gluon_sm90
 
     rows = [r for r in compiled if r["variant"][3] == gluon_sm90.SCHEDULE]
     assert rows
     for row in rows:
         assert row["spills"] is not None, f"{row['variant']}: no 'spill stores' line in the ptxas -v report"
-        assert row["spills"] == 0, f"{row['variant']}: {row['spills']} bytes of spill stores"
+        assert row["spills"] <= SPILL_BUDGET, f"{row['variant']}: {row['spills']} bytes of spill stores"
+        assert not row["hot_local"], f"{row['variant']}: local-memory accesses in a tile loop: {row['hot_local']}"
+
+
+def test_sass_scan_finds_a_spill_in_a_loop():
+    """The SASS scan itself: a local load inside a loop with an HGMMA is reported, one outside it is not."""
+    import re
+
+    ns = {"re": re}
+    exec(_SASS_SCAN, ns)
+    sass = "\n".join([
+        "        /*0100*/                   LDL R1, [R1] ;",
+        "        /*0110*/                   HGMMA.64x32x16.F32.BF16 R152, gdesc[UR56], RZ, !UPT ;",
+        "        /*0120*/                   STL [R1+0x4], R4 ;",
+        "        /*0130*/               @P4 BRA 0x110 ;",
+        "        /*0140*/                   LDL R2, [R1] ;",
+    ])
+    assert ns["hot_local_accesses"](sass) == ["0x120 STL [R1+0x4], R4"]

@@ -16,7 +16,12 @@ consumer warpgroups side by side, runs S = Q.K^T with wgmma (A = Q from shared m
 tile's K^T view; the 512 NoPE and 64 RoPE columns are separate power-of-two buffers), the online
 softmax in base 2 (row max exchanged across the warpgroups), and O += P.V over the first 512
 columns of the same tile (each warpgroup owns 256 value columns). Epilogue: O / l, LSE in natural
-log; a pseudo-head with no valid row gets out 0 and lse -inf; stores are bounded to the real rows.
+log; a pseudo-head with no valid row gets out 0 and lse -inf; stores are bounded to the real rows
+(per-token tiles store O through the dead Q buffer in row-contiguous 16-byte pieces).
+
+The "split" kernel is persistent (``PERSISTENT``): one CTA per SM loops over the work items (list, m-block);
+its producer loads each item's Q once the consumers have freed the buffer and gathers the item's first tiles
+while the consumers finish the previous one.
 
 Shared memory (bf16/fp16, D_qk 576): Q 72 KB + 2 stages x 72 KB + scratch = 225,316 B of 232,448 (227 KB).
 
@@ -82,7 +87,13 @@ if GLUON_IMPORT_ERROR is None:
                       GROUPED: gl.constexpr):
         """This CTA's list and m-block (1-D grid, m-blocks of a list adjacent): (gid, mb, first token, rows of the
         list, real pseudo-heads). A group with group_len 0 or a token with route 0 gets 0 rows and 0 heads."""
-        pid = gl.program_id(0)
+        return _resolve_item(gl.program_id(0), nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K, m_blocks, group_heads,
+                             has_nrows, has_route, GROUPED)
+
+    @gluon.jit
+    def _resolve_item(pid, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K, m_blocks, group_heads, has_nrows,
+                      has_route, GROUPED: gl.constexpr):
+        """Work item ``pid`` (list pid // m_blocks, m-block pid % m_blocks): see ``_resolve_list``."""
         gid = pid // m_blocks
         mb = pid % m_blocks
         if GROUPED:
@@ -126,6 +137,68 @@ if GLUON_IMPORT_ERROR is None:
         async_copy.wait_group(0)
         fence_async_shared()
         gl.thread_barrier()
+
+    @gluon.jit
+    def _issue_q(q_ptr, q_v, q_r, stride_qt, stride_qh, mb, tok0, H, n_heads, GROUPED: gl.constexpr,
+                 HAS_PE: gl.constexpr):
+        """The Q tile's cp.async copies (``_load_q`` without the wait), by the producer of a persistent CTA."""
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        p_q = mb * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, blk))
+        if GROUPED:
+            q_tok = tok0 + p_q // H
+            q_head = p_q % H
+        else:
+            q_tok = tok0 + p_q * 0
+            q_head = p_q
+        q_ok = p_q < n_heads
+        q_row = q_ptr + q_tok.to(gl.int64) * stride_qt + gl.where(q_ok, q_head, 0).to(gl.int64) * stride_qh
+        cv = gl.arange(0, _DV, layout=gl.SliceLayout(0, blk))
+        async_copy.async_copy_global_to_shared(q_v, q_row[:, None] + cv[None, :], mask=q_ok[:, None])
+        if HAS_PE:
+            cr = gl.arange(0, _DPE, layout=gl.SliceLayout(0, blk))
+            async_copy.async_copy_global_to_shared(q_r, q_row[:, None] + _DV + cr[None, :], mask=q_ok[:, None])
+
+    @gluon.jit
+    def _gather_tile(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, c, ring_v, ring_r, ready, empty,
+                     HAS_PE: gl.constexpr, STAGES: gl.constexpr):
+        """Tile j of list ``gid`` into stage c % STAGES (c: the CTA's running tile count, for the phase)."""
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        cv = gl.arange(0, _DV, layout=gl.SliceLayout(0, blk))
+        cr = gl.arange(0, _DPE, layout=gl.SliceLayout(0, blk))
+        st = c % STAGES
+        idx = _tile_rows(rows_ptr, row_stride, gid, n_rows, j)  # issued before the wait: latency hidden
+        ok = (idx >= 0) & (idx < N)
+        base = kv_ptr + gl.where(ok, idx, 0).to(gl.int64)[:, None] * stride_kvn
+        mbarrier.wait(empty.index(st), ((c // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+        async_copy.async_copy_global_to_shared(ring_v.index(st), base + cv[None, :], mask=ok[:, None])
+        if HAS_PE:
+            async_copy.async_copy_global_to_shared(ring_r.index(st), base + _DV + cr[None, :], mask=ok[:, None])
+        async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
+
+    @gluon.jit
+    def _producer_loop(q_ptr, kv_ptr, rows_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, stride_qt, stride_qh,
+                       stride_kvn, row_stride, N, H, K, m_blocks, group_heads, has_nrows, has_route, num_work, q_v, q_r,
+                       ring_v, ring_r, ready, empty, q_bars, GROUPED: gl.constexpr, HAS_PE: gl.constexpr,
+                       STAGES: gl.constexpr):
+        """Persistent producer: per work item, the first STAGES tiles (they may land while the consumers finish the
+        previous item), then Q (once the consumers freed it: q_bars[1]; landed: q_bars[0]), then the other tiles."""
+        c = 0
+        for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
+            gid, mb, tok0, n_rows, n_heads = _resolve_item(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
+                                                           m_blocks, group_heads, has_nrows, has_route, GROUPED)
+            n_tiles = gl.cdiv(n_rows, _BN)
+            it = (w - gl.program_id(0)) // gl.num_programs(0)  # this CTA's item count
+            n_pre = gl.minimum(n_tiles, STAGES)
+            for j in range(n_pre):
+                _gather_tile(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, c + j, ring_v, ring_r, ready,
+                             empty, HAS_PE, STAGES)
+            mbarrier.wait(q_bars.index(1), (it & 1) ^ 1)  # Q buffer free (a fresh barrier passes parity 1)
+            _issue_q(q_ptr, q_v, q_r, stride_qt, stride_qh, mb, tok0, H, n_heads, GROUPED, HAS_PE)
+            async_copy.mbarrier_arrive(q_bars.index(0), increment_count=False)
+            for j in range(n_pre, n_tiles):
+                _gather_tile(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, c + j, ring_v, ring_r, ready,
+                             empty, HAS_PE, STAGES)
+            c += n_tiles
 
     @gluon.jit
     def _producer(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, n_tiles, ring_v, ring_r, ready, empty,
@@ -173,7 +246,7 @@ if GLUON_IMPORT_ERROR is None:
                   mb, tok0, H, n_heads, out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, qk_scale, has_lse,
                   sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl,
                   GROUPED: gl.constexpr, HAS_PE: gl.constexpr, STAGES: gl.constexpr, ABLATE: gl.constexpr,
-                  O_VIA_SMEM: gl.constexpr):
+                  O_VIA_SMEM: gl.constexpr, c0):
         """Two warpgroups side by side (warps_per_cta [4, 2]): warpgroup w computes S[:, 32w:32w+32] and
         owns O[:, 256w:256w+256]; Triton exchanges the row max and P across them through shared memory."""
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
@@ -192,7 +265,7 @@ if GLUON_IMPORT_ERROR is None:
         o = gl.zeros([_BH, _DV], gl.float32, layout=o_l)
         s0 = gl.zeros([_BH, _BN], gl.float32, layout=s_l)
         for j in range(n_tiles):
-            st = j % STAGES
+            st = (c0 + j) % STAGES
             pos = j * _BN + kpos
             in_list = pos < n_rows
             if GROUPED:  # issued before the wait: latency hidden by it
@@ -201,7 +274,7 @@ if GLUON_IMPORT_ERROR is None:
             else:
                 idx = gl.load(list_base + pos, mask=in_list, other=-1)
                 allowed = ((idx >= 0) & (idx < N))[None, :]
-            mbarrier.wait(ready.index(st), (j // STAGES) & 1)
+            mbarrier.wait(ready.index(st), ((c0 + j) // STAGES) & 1)
             fence_async_shared()  # cp.async writes (generic proxy) -> wgmma reads (async proxy)
             if ABLATE & 8:  # timing knob: no Q.K^T
                 s = s0
@@ -247,13 +320,13 @@ if GLUON_IMPORT_ERROR is None:
                                 has_sink, has_maxl)
         o = o / denom[:, None]
         if O_VIA_SMEM:
-            # Through the ring's stage 0 (every tile has landed and been read: the loop waited on each) into a
+            # Through the Q buffer (every Q.K^T of the item has completed: the loop waited on each) into a
             # row-contiguous layout: 16-byte stores per thread, whole 1 KB rows per head (the MMA layout
             # writes 4 bytes per row per thread, half of each 32-byte sector).
-            ring_v.index(0).store(o.to(dt))
+            q_v.store(o.to(dt))
             gl.thread_barrier()
             st_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-            ob = ring_v.index(0).load(st_l)
+            ob = q_v.load(st_l)
             p_b = mb * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, st_l))
             if GROUPED:
                 tok_b = tok0 + p_b // H
@@ -269,32 +342,53 @@ if GLUON_IMPORT_ERROR is None:
             o_row = out_ptr + tok.to(gl.int64) * stride_ot + hh.to(gl.int64) * stride_oh
             gl.store(o_row[:, None] + cols[None, :], o.to(dt), mask=row_ok[:, None])
 
+    @gluon.jit
+    def _consumer_loop(q_v, q_r, ring_v, ring_r, ready, empty, q_bars, rows_ptr, bits_ptr, nrows_ptr, gstart_ptr,
+                       glen_ptr, route_ptr, row_stride, N, H, K, m_blocks, group_heads, has_nrows, has_route, num_work,
+                       out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, qk_scale, has_lse, sink_ptr, maxl_ptr,
+                       stride_mt, has_sink, has_maxl, GROUPED: gl.constexpr, HAS_PE: gl.constexpr,
+                       STAGES: gl.constexpr, ABLATE: gl.constexpr, O_VIA_SMEM: gl.constexpr):
+        """Persistent consumers: per work item, wait for its Q, run the tiles, store, then free the Q buffer."""
+        c = 0
+        for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
+            gid, mb, tok0, n_rows, n_heads = _resolve_item(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
+                                                           m_blocks, group_heads, has_nrows, has_route, GROUPED)
+            n_tiles = gl.cdiv(n_rows, _BN)
+            it = (w - gl.program_id(0)) // gl.num_programs(0)  # this CTA's item count
+            mbarrier.wait(q_bars.index(0), it & 1)  # Q landed
+            fence_async_shared()
+            _consumer(q_v, q_r, ring_v, ring_r, ready, empty, rows_ptr, bits_ptr, row_stride, N, gid, n_rows, n_tiles,
+                      mb, tok0, H, n_heads, out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, qk_scale, has_lse,
+                      sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl, GROUPED, HAS_PE, STAGES, ABLATE, O_VIA_SMEM,
+                      c)
+            gl.thread_barrier()  # every consumer warp is done with Q (and the O staged through it) ...
+            mbarrier.arrive(q_bars.index(1), count=1)  # ... before one thread frees it
+            c += n_tiles
+
     # Integers that change between calls, index-side pointers and lse's row stride are not specialized, so the
     # compiled variants are exactly those of ``variant_constexprs`` (q, kv, out and their strides must be
     # 16-byte aligned: ``sparse_mla.mqa.backends`` checks it, and cp.async needs it).
     @gluon.jit(do_not_specialize=["rows_ptr", "bits_ptr", "nrows_ptr", "gstart_ptr", "glen_ptr", "route_ptr",
                                   "lse_ptr", "row_stride", "stride_lt", "N", "H", "K", "m_blocks", "group_heads",
                                   "has_nrows", "has_route", "has_lse", "sink_ptr", "maxl_ptr", "stride_mt",
-                                  "has_sink", "has_maxl"])
+                                  "has_sink", "has_maxl", "num_work"])
     def sparse_mqa_sm90_kernel(
         q_ptr, kv_ptr, rows_ptr, bits_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, out_ptr, lse_ptr,
         stride_qt, stride_qh, stride_kvn, row_stride, stride_ot, stride_oh, stride_lt,
         N, H, K, qk_scale, m_blocks, group_heads, has_nrows, has_route, has_lse,
-        sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl,
+        sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl, num_work,
         GROUPED: gl.constexpr, HAS_PE: gl.constexpr, STAGES: gl.constexpr,
         PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ABLATE: gl.constexpr, O_VIA_SMEM: gl.constexpr,
         num_warps: gl.constexpr,
     ):
-        """One CTA per (list, m-block) on a 1-D grid, the m-blocks of a list adjacent (they share its rows in L2).
+        """Work items (list, m-block) w = 0 .. num_work - 1, the m-blocks of a list adjacent (they share its rows
+        in L2); CTA p takes w = p, p + grid, ... (persistent when the grid is smaller than num_work: the next item's
+        first tiles are gathered while this one finishes).
 
         Per-token: list = token, rows = indices [T, K] (row_stride), nrows = topk_length [T] or K,
         route [T] (0 = another launch computes the token). Grouped: list = group, rows / bits = union rows
         and membership words [num_groups, U], nrows = union_len, gstart / glen = group_start / group_len.
         """
-        gid, mb, tok0, n_rows, n_heads = _resolve_list(nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K, m_blocks,
-                                                       group_heads, has_nrows, has_route, GROUPED)
-        n_tiles = gl.cdiv(n_rows, _BN)
-
         smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         dt: gl.constexpr = q_ptr.dtype.element_ty
         q_v = gl.allocate_shared_memory(dt, [_BH, _DV], smem_l)
@@ -307,20 +401,21 @@ if GLUON_IMPORT_ERROR is None:
             ring_r = ring_v
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # Q landed, Q free
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=PRODUCER_WARPS * 32)  # every producer thread arrives
             mbarrier.init(empty.index(i), count=1)  # one arrive by the consumer partition
-
-        # Q tile [64, D_qk]: pseudo-head rows gathered with cp.async (rows past the real ones zero-filled)
-        _load_q(q_ptr, q_v, q_r, stride_qt, stride_qh, mb, tok0, H, n_heads, GROUPED, HAS_PE)
+        mbarrier.init(q_bars.index(0), count=PRODUCER_WARPS * 32)
+        mbarrier.init(q_bars.index(1), count=1)
 
         gl.warp_specialize([
-            (_consumer, (q_v, q_r, ring_v, ring_r, ready, empty, rows_ptr, bits_ptr, row_stride, N, gid, n_rows,
-                         n_tiles, mb, tok0, H, n_heads, out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, qk_scale,
-                         has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl, GROUPED, HAS_PE, STAGES, ABLATE,
-                         O_VIA_SMEM)),
-            (_producer, (kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, n_tiles, ring_v, ring_r, ready,
-                         empty, HAS_PE, STAGES)),
+            (_consumer_loop, (q_v, q_r, ring_v, ring_r, ready, empty, q_bars, rows_ptr, bits_ptr, nrows_ptr, gstart_ptr,
+                              glen_ptr, route_ptr, row_stride, N, H, K, m_blocks, group_heads, has_nrows, has_route,
+                              num_work, out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, qk_scale, has_lse, sink_ptr,
+                              maxl_ptr, stride_mt, has_sink, has_maxl, GROUPED, HAS_PE, STAGES, ABLATE, O_VIA_SMEM)),
+            (_producer_loop, (q_ptr, kv_ptr, rows_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, stride_qt, stride_qh,
+                              stride_kvn, row_stride, N, H, K, m_blocks, group_heads, has_nrows, has_route, num_work,
+                              q_v, q_r, ring_v, ring_r, ready, empty, q_bars, GROUPED, HAS_PE, STAGES)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
@@ -504,12 +599,12 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit(do_not_specialize=["rows_ptr", "bits_ptr", "nrows_ptr", "gstart_ptr", "glen_ptr", "route_ptr",
                                   "lse_ptr", "row_stride", "stride_lt", "N", "H", "K", "m_blocks", "group_heads",
                                   "has_nrows", "has_route", "has_lse", "sink_ptr", "maxl_ptr", "stride_mt",
-                                  "has_sink", "has_maxl"])
+                                  "has_sink", "has_maxl", "num_work"])
     def sparse_mqa_sm90_pair_kernel(
         q_ptr, kv_ptr, rows_ptr, bits_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, out_ptr, lse_ptr,
         stride_qt, stride_qh, stride_kvn, row_stride, stride_ot, stride_oh, stride_lt,
         N, H, K, qk_scale, m_blocks, group_heads, has_nrows, has_route, has_lse,
-        sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl,
+        sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl, num_work,
         GROUPED: gl.constexpr, HAS_PE: gl.constexpr, CONSUMER_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
         """The pair schedule (module comment above); same arguments and grid as ``sparse_mqa_sm90_kernel``."""
@@ -575,6 +670,9 @@ ABLATE = 0
 # Split schedule, per-token tiles: O stored through shared memory in 16-byte row-contiguous pieces (results/gluon-v6.json:
 # 413 vs 402 TFLOP/s at 64 heads, 423 vs 408 at 128); grouped tiles keep the direct store (2.11 vs 2.07 ms there).
 O_VIA_SMEM = os.environ.get("SPARSE_MLA_GLUON_O_VIA_SMEM", "1") == "1"
+# Split schedule: one CTA per SM looping over the work items (the next item's first tiles land during this one's
+# epilogue) instead of one CTA per item.
+PERSISTENT = os.environ.get("SPARSE_MLA_GLUON_PERSISTENT", "1") == "1"
 PAIR_CONSUMER_REGS = 232  # each consumer warpgroup; the producer (the default partition) gets what is left
 
 
@@ -608,6 +706,18 @@ def _placeholders(device):
     return _PLACEHOLDERS[key]
 
 
+_NUM_SMS: dict = {}
+
+
+def _num_sms(device) -> int:
+    key = str(device)
+    if key not in _NUM_SMS:
+        import torch
+
+        _NUM_SMS[key] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _NUM_SMS[key]
+
+
 def num_m_blocks(num_pseudo_heads: int) -> int:
     """CTAs per list: 64 pseudo-heads each."""
     return triton.cdiv(num_pseudo_heads, BLOCK_H)
@@ -629,9 +739,11 @@ def launch(q, kv, rows, bits, nrows, group_start, group_len, route, out, lse, sm
     if num_lists == 0:
         return
     m_blocks = num_m_blocks(group_heads)
+    num_work = num_lists * m_blocks
     dummy = rows  # an int32 placeholder for absent int32 inputs
     f32, i8 = _placeholders(q.device)  # typed placeholders keep the argument types, hence the compiled variant, fixed
-    _kernel_for(SCHEDULE)[(num_lists * m_blocks, )](
+    grid = min(num_work, _num_sms(q.device)) if PERSISTENT and SCHEDULE == "split" else num_work
+    _kernel_for(SCHEDULE)[(grid, )](
         q, kv, rows, bits if bits is not None else dummy, nrows if nrows is not None else dummy,
         group_start if group_start is not None else dummy, group_len if group_len is not None else dummy,
         route if route is not None else i8, out, lse if lse is not None else f32,
@@ -641,7 +753,7 @@ def launch(q, kv, rows, bits, nrows, group_start, group_len, route, out, lse, sm
         int(nrows is not None), int(route is not None), int(lse is not None),
         attn_sink if attn_sink is not None else f32, max_logits if max_logits is not None else f32,
         max_logits.stride(0) if max_logits is not None else 0, int(attn_sink is not None), int(max_logits is not None),
-        **variant_constexprs(grouped, D > D_V),
+        num_work, **variant_constexprs(grouped, D > D_V),
     )
 
 
@@ -654,7 +766,7 @@ _ARG_TYPES = (("q_ptr", "*{dt}"), ("kv_ptr", "*{dt}"), ("rows_ptr", "*i32"), ("b
               ("stride_lt", "i32"), ("N", "i32"), ("H", "i32"), ("K", "i32"), ("qk_scale", "fp32"),
               ("m_blocks", "i32"), ("group_heads", "i32"), ("has_nrows", "i32"), ("has_route", "i32"),
               ("has_lse", "i32"), ("sink_ptr", "*fp32"), ("maxl_ptr", "*fp32"), ("stride_mt", "i32"),
-              ("has_sink", "i32"), ("has_maxl", "i32"))
+              ("has_sink", "i32"), ("has_maxl", "i32"), ("num_work", "i32"))
 # Specialized 16-divisible at launch (checked by the backend selection): q, kv, out and their strides.
 _ALIGNED = ("q_ptr", "kv_ptr", "out_ptr", "stride_qt", "stride_qh", "stride_kvn", "stride_ot", "stride_oh")
 
