@@ -10,6 +10,8 @@ Public entry points (semantics: ``sparse_mla.mqa.reference``; docs/DESIGN.md):
 * ``SparseMLAWorkspace``: preallocated scratch for the grouped path.
 * ``dsa_prefill`` / ``SparseMLAPrefill``: the layer-level prefill (dense MHA, masked MHA, grouped
   or per-token sparse MQA, chosen by a measured dispatcher), with its fp32 reference ``dsa_prefill_ref``.
+* ``FP8_DS_MLA``: the FP8 ``fp8_ds_mla`` latent cache format (``kv_format="fp8_ds_mla"`` on the calls above;
+  ``sparse_mla.kv_format``): layout, checks, quantize / dequantize.
 
 Attributes load lazily, so that a caller (the CLI, a test's conftest) can set TRITON_INTERPRET=1
 after ``import sparse_mla`` but before the first kernel module is imported.
@@ -33,6 +35,7 @@ _EXPORTS = {
     "dsa_prefill": "sparse_mla.layer",
     "SparseMLAPrefill": "sparse_mla.layer",
     "dsa_prefill_ref": "sparse_mla.layer",
+    "FP8_DS_MLA": "sparse_mla.kv_format",
     "shardq_sparse_mla_fwd": "sparse_mla.distributed",
     "tp_sparse_mla_fwd": "sparse_mla.distributed",
     "zigzag_partition": "sparse_mla.distributed",

@@ -48,17 +48,23 @@ def sparse_mla_fwd(
     overlap_guard: float | None = -1.0,
     attn_sink: torch.Tensor | None = None,
     max_logits: torch.Tensor | None = None,
+    kv_format: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA prefill (MQA / absorbed form): each query attends to its own top-k kv rows.
 
     Semantics: ``sparse_mla.mqa.reference.sparse_mla_ref`` (docs/DESIGN.md "Ground truth"); every method
-    returns that result up to bf16 rounding and fp32 summation order.
+    returns that result up to bf16 rounding and fp32 summation order. With an FP8 cache
+    (``kv_format="fp8_ds_mla"``): the same definition on the cache dequantized to q's dtype
+    (``sparse_mla.kv_format``), which the kernel computes in its gather.
 
     Args:
         q: [T, H, D_qk] bf16 or fp16, CUDA (or CPU under TRITON_INTERPRET=1), last dim contiguous;
             D_qk = 576 (kv_lora_rank 512 + qk_rope_head_dim 64) or 512 (NoPE). Any H >= 1.
         kv: [N, D_qk] latent cache rows, or paged [num_blocks, block_size, D_qk] with block stride
-            block_size * D_qk; q's dtype and device. V is the first d_v columns of each row.
+            block_size * D_qk; q's dtype and device. V is the first d_v columns of each row. With
+            kv_format="fp8_ds_mla": the FP8 cache, uint8 (or float8_e4m3fn) [N, 656], paged
+            [num_blocks, block_size, 656] or [num_blocks, block_size, 1, 656], rows 16-byte aligned
+            (``sparse_mla.kv_format.FP8_DS_MLA``), and D_qk must be 576.
         indices: [T, K] or [T, 1, K] int32 global rows; entries < 0 or >= N are padding (never read).
         sm_scale: softmax scale multiplying q . k.
         d_v: value width (512 = kv_lora_rank).
@@ -90,6 +96,11 @@ def sparse_mla_fwd(
         max_logits: optional preallocated [T, H] float32 output (heads contiguous), written in the
             same pass: max over the valid rows of sm_scale * q . k (natural units), -inf for a query
             with no valid row. Not returned; read the tensor you passed.
+        kv_format: None (default: kv holds latent rows in q's dtype) or "fp8_ds_mla" (FlashMLA's /
+            vLLM's FP8 cache: per row 512 float8_e4m3 kv_c values, 4 float32 scales, 64 bf16 k_pe;
+            ``sparse_mla.kv_format``). Explicit, never inferred from kv's dtype. The FP8 cache runs the
+            portable Triton kernel (``sparse_mla.mqa.backends``: the Gluon kernel takes bf16 / fp16 caches
+            only), dequantizing each gathered row in registers.
 
     Conventions (this API): a query with no valid row gets out 0, lse -inf, max_logits -inf.
     ``sparse_mla.flash_mla_sparse_fwd`` is the FlashMLA-compatible call (its shapes, lse +inf there).
@@ -97,7 +108,8 @@ def sparse_mla_fwd(
     Non-finite kv rows: a NaN / inf in a row query t does not select never changes out[t] / lse[t]
     with method="per_token"; method="grouped" can make the out of every query in the selecting
     query's group non-finite (docs/DESIGN.md "Non-finite kv rows"). check=True raises on a
-    non-finite value in any selected row.
+    non-finite value in any selected row (for an FP8 cache: in the dequantized row, e.g. a NaN or inf
+    scale).
 
     Backends: the attention runs the Gluon sm_90 kernel or the portable Triton one, chosen by
     ``sparse_mla.mqa.backends`` (``SPARSE_MLA_MQA_BACKEND`` forces one); the union builder is chosen
@@ -113,10 +125,13 @@ def sparse_mla_fwd(
         ValueError: shape / device / layout mismatches, D_qk not in {512, 576}, d_v != 512, an
             unknown method, a workspace that does not fit, CPU tensors without TRITON_INTERPRET=1,
             and (check=True) bad index contents; attn_sink / max_logits of the wrong shape or dtype
-            (TypeError for the dtype).
+            (TypeError for the dtype); an unknown kv_format; with kv_format="fp8_ds_mla" a kv whose rows
+            are not 656 bytes or not 16-byte aligned, or D_qk != 576 (TypeError: kv not uint8 /
+            float8_e4m3fn; a uint8 / float8 kv of 656-byte rows without kv_format).
     """
     p = validate_sparse_mla_args(
-        q, kv, indices, sm_scale, d_v=d_v, topk_length=topk_length, cu_seqlens_q=cu_seqlens_q, check=check
+        q, kv, indices, sm_scale, d_v=d_v, topk_length=topk_length, cu_seqlens_q=cu_seqlens_q, check=check,
+        kv_format=kv_format,
     )
     T, H, D = p.q.shape
     chosen, reason = resolve_method(method, H, T)
@@ -130,7 +145,7 @@ def sparse_mla_fwd(
     if lse is None and return_lse:
         lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     require_kernel_tensor("q", p.q)  # kv and out share its device and dtype
-    logger.debug("sparse_mla_fwd: T=%d H=%d K=%d -> %s (%s)", T, H, p.topk, chosen, reason)
+    logger.debug("sparse_mla_fwd: T=%d H=%d K=%d kv_format=%s -> %s (%s)", T, H, p.topk, p.kv_format, chosen, reason)
     if T == 0:
         return (out, lse) if return_lse else out
 

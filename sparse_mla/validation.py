@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .kv_format import KV_FORMATS, check_kv_format, looks_like_fp8_ds_mla
+
 SUPPORTED_D_QK = (512, 576)
 SUPPORTED_D_V = (512,)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
@@ -31,6 +33,7 @@ class SparseMLAProblem:
     cu_seqlens_q: torch.Tensor | None  # [B + 1] int32
     sm_scale: float
     d_v: int
+    kv_format: str | None = None  # None: kv rows in q's dtype; "fp8_ds_mla": kv is uint8 [N, 656] (sparse_mla.kv_format)
 
     @property
     def num_tokens(self) -> int:
@@ -259,18 +262,23 @@ def validate_sparse_mla_args(
     cu_seqlens_q: torch.Tensor | None = None,
     check: bool = False,
     allowed_dtypes: tuple[torch.dtype, ...] = KERNEL_DTYPES,
+    kv_format: str | None = None,
 ) -> SparseMLAProblem:
     """Check the arguments of ``sparse_mla_fwd`` / ``sparse_mla_ref`` and normalize them.
 
-    See ``sparse_mla.sparse_mla_fwd`` for the meaning of each argument.
+    See ``sparse_mla.sparse_mla_fwd`` for the meaning of each argument. With ``kv_format="fp8_ds_mla"``
+    the problem's ``kv`` is the cache's uint8 rows [N, 656] (``sparse_mla.kv_format.FP8DSMLAFormat.as_rows``).
 
     Raises:
         TypeError: a non-tensor argument, a dtype outside ``allowed_dtypes`` for q/kv,
             q and kv of different dtypes, non-int32 indices / topk_length / cu_seqlens_q; an
             sm_scale that is not a real number (a bool, a string, a tensor), a d_v that is not an
-            int, a check that is not a bool.
+            int, a check that is not a bool; a kv_format that is not None or a string; with
+            kv_format="fp8_ds_mla" a kv that is not uint8 / float8_e4m3fn.
         ValueError: shape mismatches, D_qk not in {512, 576}, d_v not 512, a last dim that is
-            not contiguous, tensors on different devices, a non-finite sm_scale; with
+            not contiguous, tensors on different devices, a non-finite sm_scale, an unknown
+            kv_format; with kv_format="fp8_ds_mla" a kv whose rows are not 656 bytes or not 16-byte
+            aligned, or a q with D_qk other than 576; with
             ``check=True`` also out-of-range or duplicate valid indices, a topk_length outside
             [0, K], cu_seqlens_q that do not run from 0 to T non-decreasing, and a NaN / inf in a
             kv row that some query selects (``check_contents``).
@@ -292,14 +300,23 @@ def validate_sparse_mla_args(
         )
     if q.stride(-1) != 1:
         raise ValueError(f"q must be contiguous in its last dim (stride 1), got strides {q.stride()}")
-    kv = flatten_kv(kv)
-    _require_same_device("kv", kv, q)
-    if kv.dtype != q.dtype:
-        raise TypeError(f"kv must have the dtype of q ({q.dtype}), got {kv.dtype}")
-    if kv.shape[1] != D:
-        raise ValueError(f"kv must be [N, D_qk] with D_qk = {D} (the last dim of q), got shape {tuple(kv.shape)}")
-    if kv.stride(-1) != 1:
-        raise ValueError(f"kv must be contiguous in its last dim (stride 1), got strides {kv.stride()}")
+    kv_format = check_kv_format(kv_format)
+    if kv_format is not None:
+        kv = kv_rows_of_format(kv, kv_format, D, "q: D_qk (last dim)")
+        _require_same_device("kv", kv, q)
+    else:
+        if looks_like_fp8_ds_mla(kv):
+            raise TypeError(f"kv is {kv.dtype} {list(kv.shape)}: an FP8 cache of 656-byte rows? pass "
+                            "kv_format='fp8_ds_mla' (sparse_mla.kv_format); without it kv must be latent rows in q's "
+                            f"dtype ({q.dtype})")
+        kv = flatten_kv(kv)
+        _require_same_device("kv", kv, q)
+        if kv.dtype != q.dtype:
+            raise TypeError(f"kv must have the dtype of q ({q.dtype}), got {kv.dtype}")
+        if kv.shape[1] != D:
+            raise ValueError(f"kv must be [N, D_qk] with D_qk = {D} (the last dim of q), got shape {tuple(kv.shape)}")
+        if kv.stride(-1) != 1:
+            raise ValueError(f"kv must be contiguous in its last dim (stride 1), got strides {kv.stride()}")
     if require_int("d_v", d_v) not in SUPPORTED_D_V:
         raise ValueError(f"d_v must be one of {SUPPORTED_D_V} (kv_lora_rank; V is the first d_v columns of kv), got {d_v}")
     d_v = int(d_v)
@@ -335,7 +352,7 @@ def validate_sparse_mla_args(
     sm_scale = require_finite_float("sm_scale", sm_scale, " (the softmax scale)")
     require_bool("check", check)
 
-    problem = SparseMLAProblem(q, kv, indices, topk_length, cu_seqlens_q, sm_scale, d_v)
+    problem = SparseMLAProblem(q, kv, indices, topk_length, cu_seqlens_q, sm_scale, d_v, kv_format)
     if check:
         check_contents(problem)
     return problem
@@ -384,7 +401,23 @@ def check_contents(p: SparseMLAProblem) -> None:
         cu = p.cu_seqlens_q
         if int(cu[0]) != 0 or int(cu[-1]) != T or bool((cu[1:] < cu[:-1]).any()):
             raise ValueError(f"cu_seqlens_q must run from 0 to T = {T}, non-decreasing; got {cu.tolist()}")
-    check_selected_rows_finite(p.kv, idx, valid)
+    check_selected_rows_finite(p.kv, idx, valid, kv_format=p.kv_format)
+
+
+def kv_rows_of_format(kv: object, kv_format: str, d_qk: int, d_qk_name: str, name: str = "kv") -> torch.Tensor:
+    """A cache of ``kv_format`` (not None) checked and viewed as its byte rows [N, row_bytes]
+    (``sparse_mla.kv_format``), for a problem whose D_qk (``d_qk``, named ``d_qk_name`` in messages) must be
+    the format's.
+
+    Raises:
+        TypeError, ValueError: as ``FP8DSMLAFormat.as_rows``; ValueError when d_qk is not the format's D_qk.
+    """
+    fmt = KV_FORMATS[kv_format]
+    rows = fmt.as_rows(kv, name)
+    if d_qk != fmt.d_qk:
+        raise ValueError(f"{d_qk_name} must be {fmt.d_qk} (kv_lora_rank {fmt.kv_lora_rank} + qk_rope_head_dim "
+                         f"{fmt.qk_rope_head_dim}) with kv_format={kv_format!r}, got {d_qk}")
+    return rows
 
 
 NONFINITE_CONTRACT = ('docs/DESIGN.md "Non-finite kv rows": a query that selects such a row gets a non-finite out / '
@@ -392,22 +425,26 @@ NONFINITE_CONTRACT = ('docs/DESIGN.md "Non-finite kv rows": a query that selects
                       "paths any query of its request")
 
 
-def nonfinite_rows(kv: torch.Tensor, rows: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+def nonfinite_rows(kv: torch.Tensor, rows: torch.Tensor, chunk: int = 4096, *, kv_format: str | None = None) -> torch.Tensor:
     """The entries of ``rows`` (1-D int64 row ids of ``kv`` [N, D]) whose row holds a NaN or an inf,
-    ascending; reads ``chunk`` rows at a time (no full-size temporary)."""
+    ascending; reads ``chunk`` rows at a time (no full-size temporary). With a ``kv_format`` (kv its byte
+    rows), the rows as they dequantize (``sparse_mla.kv_format``)."""
+    fmt = None if kv_format is None else KV_FORMATS[kv_format]
     bad = []
     for r0 in range(0, rows.numel(), chunk):
         r = rows[r0:r0 + chunk]
-        bad.append(r[~torch.isfinite(kv[r]).all(dim=1)])
+        vals = kv[r] if fmt is None else fmt.dequantize(kv, torch.float32, rows=r)
+        bad.append(r[~torch.isfinite(vals).all(dim=1)])
     return torch.cat(bad) if bad else rows[:0]
 
 
 def check_selected_rows_finite(kv: torch.Tensor, indices: torch.Tensor, selected: torch.Tensor,
-                               what: str = "check=True") -> None:
+                               what: str = "check=True", *, kv_format: str | None = None) -> None:
     """Raise when a kv row that some query selects holds a NaN or an inf (syncs the device).
 
     Args:
-        kv: [N, D] rows. indices: [T, K] int32 rows. selected: [T, K] bool, the entries that count
+        kv: [N, D] rows (the byte rows of a ``kv_format`` cache: checked as they dequantize).
+        indices: [T, K] int32 rows. selected: [T, K] bool, the entries that count
             (valid: counted, >= 0 and < N).
 
     Raises:
@@ -417,7 +454,7 @@ def check_selected_rows_finite(kv: torch.Tensor, indices: torch.Tensor, selected
     if indices.numel() == 0:
         return
     rows = torch.unique(indices[selected].long())
-    bad = nonfinite_rows(kv, rows)
+    bad = nonfinite_rows(kv, rows, kv_format=kv_format)
     if bad.numel() == 0:
         return
     first = bad[:8].tolist()

@@ -16,6 +16,11 @@ positions. Two steps make that a ``sparse_mla_fwd`` call:
 
 Then ``sparse_mla_fwd(q, rows, global_indices, sm_scale, cu_seqlens_q=...)``.
 
+FP8 cache (vLLM's ``fp8_ds_mla``: uint8 [num_blocks, block_size, 656]; FlashMLA's float8_e4m3fn
+[num_blocks, block_size, 1, 656]): ``paged_kv_as_rows(kv_cache, kv_format="fp8_ds_mla")`` gives its uint8 byte
+rows [N, 656] the same way, the indices convert as for any cache, and ``sparse_mla_fwd(q, rows, indices,
+sm_scale, kv_format="fp8_ds_mla")`` reads them (``sparse_mla.kv_format``).
+
 CUDA-graph padding (a step padded to a captured token count): give the padded token rows
 ``req_id = -1``; their converted indices are all -1 (and their valid count 0), so
 ``sparse_mla_fwd`` writes ``out = 0`` and ``lse = -inf`` for them. A dummy request whose
@@ -29,12 +34,13 @@ import os
 
 import torch
 
+from ..kv_format import KV_FORMATS, check_kv_format
 from ..validation import check_tensor, require_bool, require_disjoint, require_int
 
 INT32_MAX = 2**31 - 1
 
 
-def paged_kv_as_rows(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
+def paged_kv_as_rows(kv_cache: torch.Tensor, *, kv_format: str | None = None) -> tuple[torch.Tensor, int]:
     """View a paged latent cache as rows of its storage, for ``sparse_mla_fwd``'s ``kv`` [N, D_qk].
 
     Args:
@@ -42,19 +48,34 @@ def paged_kv_as_rows(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
             (stride 1); the block stride ``stride(0)`` must be a multiple of the row stride
             ``stride(1)`` and at least ``block_size * stride(1)`` (blocks do not overlap). Block
             strides larger than ``block_size * D_qk`` (other layers' pages in between) are fine.
+            With kv_format="fp8_ds_mla": the FP8 cache, uint8 or float8_e4m3fn [num_blocks, block_size,
+            656] (or FlashMLA's [num_blocks, block_size, 1, 656]), rows 16-byte aligned
+            (``sparse_mla.kv_format.FP8DSMLAFormat.check``).
+        kv_format: None (rows of latent values, any dtype) or "fp8_ds_mla".
 
     Returns:
         rows: [N, D_qk] view (no copy) of the same storage with strides ``(stride(1), 1)``, where
             N = (num_blocks - 1) * rows_per_block_stride + block_size; row
-            ``b * rows_per_block_stride + i`` is ``kv_cache[b, i]``.
+            ``b * rows_per_block_stride + i`` is ``kv_cache[b, i]``. For an FP8 cache: its uint8 bytes
+            [N, 656], to pass with ``kv_format="fp8_ds_mla"``.
         rows_per_block_stride: ``stride(0) // stride(1)``, the value to pass as
             ``kv_block_stride_rows`` to ``convert_req_index_to_global``.
 
     Raises:
-        TypeError: kv_cache is not a tensor.
-        ValueError: kv_cache is not 3-D, has no blocks, a last dim that is not contiguous, or a
-            block stride that is not a multiple of the row stride / smaller than a block.
+        TypeError: kv_cache is not a tensor; an FP8 cache of another dtype; a kv_format that is neither
+            None nor a string.
+        ValueError: kv_cache is not 3-D (FP8: 3-D or [num_blocks, block_size, 1, 656]), has no blocks, a
+            last dim that is not contiguous, or a block stride that is not a multiple of the row stride /
+            smaller than a block; an unknown kv_format; an FP8 cache whose rows are not 656 bytes or not
+            16-byte aligned.
     """
+    if check_kv_format(kv_format) is not None:
+        kv_cache = KV_FORMATS[kv_format].check(kv_cache, "kv_cache")
+        if kv_cache.dim() == 4:
+            if kv_cache.shape[2] != 1:
+                raise ValueError(f"kv_cache given as [num_blocks, block_size, h_k, 656] (FlashMLA's layout) needs h_k = 1, "
+                                 f"got shape {tuple(kv_cache.shape)}")
+            kv_cache = kv_cache[:, :, 0]
     if not isinstance(kv_cache, torch.Tensor):
         raise TypeError(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
     if kv_cache.dim() != 3:

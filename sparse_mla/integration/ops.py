@@ -3,10 +3,11 @@
 Importing this module registers (the bodies import the Triton kernels lazily, on first call):
 
 * ``torch.ops.sparse_mla.fwd(q, kv, indices, sm_scale, d_v=512, topk_length=None,
-  cu_seqlens_q=None, method="auto", group_size=None) -> (out, lse)``: functional; allocates out,
+  cu_seqlens_q=None, method="auto", group_size=None, kv_format=None) -> (out, lse)``: functional; allocates out,
   lse and the grouped path's scratch per call. Works with any torch.compile backend; under
   inductor's CUDA graphs (``mode="reduce-overhead"``) the allocations come from the graph pool.
-* ``torch.ops.sparse_mla.fwd_out(q, kv, indices, out, lse, workspace, sm_scale, ..., group_size=None) -> None``:
+* ``torch.ops.sparse_mla.fwd_out(q, kv, indices, out, lse, workspace, sm_scale, ..., group_size=None,
+  kv_format=None) -> None``:
   writes into preallocated ``out`` [T, H, d_v] and ``lse`` [T, H] fp32 (or None) using the
   workspace buffers ``workspace_buffers(ws)`` (``[]`` = allocate scratch per call). Declared as
   mutating out, lse and workspace, so torch.compile orders it correctly; with a workspace and
@@ -109,18 +110,21 @@ def fwd(
     cu_seqlens_q: Tensor | None = None,
     method: str = "auto",
     group_size: int | None = None,
+    kv_format: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``sparse_mla_fwd(..., return_lse=True)`` as a custom op: returns new (out [T, H, d_v], lse [T, H] fp32)."""
     from ..interface import sparse_mla_fwd
 
     out, lse = sparse_mla_fwd(q, kv, indices, sm_scale, d_v=d_v, topk_length=topk_length, return_lse=True,
-                              method=method, cu_seqlens_q=cu_seqlens_q, group_size=group_size)
+                              method=method, cu_seqlens_q=cu_seqlens_q, group_size=group_size, kv_format=kv_format)
     return out, lse
 
 
 @fwd.register_fake
-def _fwd_fake(q, kv, indices, sm_scale, d_v=512, topk_length=None, cu_seqlens_q=None, method="auto", group_size=None):
-    p = validate_sparse_mla_args(q, kv, indices, sm_scale, d_v=d_v, topk_length=topk_length, cu_seqlens_q=cu_seqlens_q)
+def _fwd_fake(q, kv, indices, sm_scale, d_v=512, topk_length=None, cu_seqlens_q=None, method="auto", group_size=None,
+              kv_format=None):
+    p = validate_sparse_mla_args(q, kv, indices, sm_scale, d_v=d_v, topk_length=topk_length, cu_seqlens_q=cu_seqlens_q,
+                                 kv_format=kv_format)
     T, H, _ = p.q.shape
     return q.new_empty(T, H, d_v), q.new_empty(T, H, dtype=torch.float32)
 
@@ -139,6 +143,7 @@ def fwd_out(
     cu_seqlens_q: Tensor | None = None,
     method: str = "auto",
     group_size: int | None = None,
+    kv_format: str | None = None,
 ) -> None:
     """``sparse_mla_fwd(..., out=out, lse=lse, workspace=ws)`` as a mutating custom op.
 
@@ -153,13 +158,14 @@ def fwd_out(
         G = group_size if group_size is not None else default_group_size(q.shape[1])
         ws = _workspace_from_buffers(workspace, indices.shape[-1], G)
     sparse_mla_fwd(q, kv, indices, sm_scale, d_v=d_v, topk_length=topk_length, method=method,
-                   cu_seqlens_q=cu_seqlens_q, workspace=ws, out=out, lse=lse, group_size=group_size)
+                   cu_seqlens_q=cu_seqlens_q, workspace=ws, out=out, lse=lse, group_size=group_size, kv_format=kv_format)
 
 
 @fwd_out.register_fake
 def _fwd_out_fake(q, kv, indices, out, lse, workspace, sm_scale, d_v=512, topk_length=None, cu_seqlens_q=None, method="auto",
-                  group_size=None):
-    validate_sparse_mla_args(q, kv, indices, sm_scale, d_v=d_v, topk_length=topk_length, cu_seqlens_q=cu_seqlens_q)
+                  group_size=None, kv_format=None):
+    validate_sparse_mla_args(q, kv, indices, sm_scale, d_v=d_v, topk_length=topk_length, cu_seqlens_q=cu_seqlens_q,
+                             kv_format=kv_format)
     return None
 
 

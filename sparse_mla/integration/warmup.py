@@ -32,6 +32,7 @@ import triton
 
 from ..interface import sparse_mla_fwd
 from ..kernels import index_convert
+from ..kv_format import KV_FORMATS, check_kv_format
 from ..mqa import gluon_sm90
 from ..mqa import triton_tl as sparse_mqa
 from ..mqa.backends import GLUON_FEW_HEADS_MAX_TOKENS
@@ -155,6 +156,7 @@ def warmup(
     attn_sink: tuple[bool, ...] = (False,),
     max_logits: tuple[bool, ...] = (False,),
     converter: bool = True,
+    kv_format: str | None = None,
 ) -> WarmupReport:
     """Run every kernel variant a configuration can use once, on tiny inputs (compiles them on GPU).
 
@@ -184,6 +186,8 @@ def warmup(
             kernel's variants with that pointer (the Gluon kernel takes both as run-time arguments, with
             typed placeholders when absent, so its variant does not change).
         converter: also warm the block-table converter.
+        kv_format: the engine's cache format, as passed to ``sparse_mla_fwd``: None, or "fp8_ds_mla" (then
+            d_qk must be 576, and kv, if given, is the FP8 cache; its variants are the Triton kernel's).
 
     Returns:
         WarmupReport(seconds, calls, new_variants).
@@ -192,7 +196,8 @@ def warmup(
         TypeError: dtype not bf16/fp16.
         ValueError: d_qk not in {512, 576}, non-positive sizes, neither kv nor num_kv_rows, a
             workspace that does not fit (topk, group size), a bad group size, or a device the
-            kernels cannot run on (as ``sparse_mla_fwd``).
+            kernels cannot run on (as ``sparse_mla_fwd``); an unknown kv_format, or with "fp8_ds_mla" a
+            d_qk other than 576 or a kv the format refuses (``sparse_mla.kv_format``).
     """
     t_start = time.perf_counter()
     if dtype not in KERNEL_DTYPES:
@@ -206,7 +211,19 @@ def warmup(
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # "cuda" means the current device: compare as cuda:N
         device = torch.device("cuda", torch.cuda.current_device())
-    if kv is not None:
+    fmt = None if check_kv_format(kv_format) is None else KV_FORMATS[kv_format]
+    if fmt is not None and d_qk != fmt.d_qk:
+        raise ValueError(f"d_qk must be {fmt.d_qk} with kv_format={kv_format!r}, got {d_qk}")
+    if fmt is not None and kv is not None:
+        kv = fmt.as_rows(kv, "kv")
+        if kv.device != device:
+            raise ValueError(f"kv must be on {device}, got {kv.device}")
+        num_kv_rows = kv.shape[0]
+    elif fmt is not None:
+        if num_kv_rows is None or num_kv_rows < 1:
+            raise ValueError(f"pass kv (the engine's FP8 cache) or num_kv_rows >= 1, got num_kv_rows={num_kv_rows!r}")
+        kv = fmt.quantize(_tiny_kv(num_kv_rows, d_qk, d_qk, torch.float32, device))
+    elif kv is not None:
         kv = flatten_kv(kv)
         if kv.shape[1] != d_qk or kv.dtype != dtype or kv.device != device:
             raise ValueError(f"kv must be [N, {d_qk}] {dtype} on {device}, got {tuple(kv.shape)} {kv.dtype} on {kv.device}")
@@ -250,7 +267,7 @@ def warmup(
     for T in per_token_T:
         for with_lse, with_tl, with_sink, with_ml in modes:
             sparse_mla_fwd(q_all[:T], kv, idx_all[:T], scale, method="per_token", return_lse=with_lse,
-                           **extras(T, with_tl, with_sink, with_ml))
+                           kv_format=kv_format, **extras(T, with_tl, with_sink, with_ml))
             calls += 1
     for T, B in reps:
         cu = None
@@ -258,7 +275,7 @@ def warmup(
             cu = torch.div(torch.arange(B + 1) * T, B, rounding_mode="floor").to(torch.int32).to(device)
         for with_lse, with_tl, with_sink, with_ml in modes:
             sparse_mla_fwd(q_all[:T], kv, idx_all[:T], scale, method="grouped", cu_seqlens_q=cu, workspace=workspace,
-                           group_size=G, overlap_guard=overlap_guard, return_lse=with_lse,
+                           group_size=G, overlap_guard=overlap_guard, return_lse=with_lse, kv_format=kv_format,
                            **extras(T, with_tl, with_sink, with_ml))
             calls += 1
 

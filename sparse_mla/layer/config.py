@@ -21,11 +21,13 @@ from dataclasses import dataclass
 import torch
 
 from ..host import to_device_async
+from ..kv_format import KV_FORMATS, check_kv_format
 from ..validation import (
     NONFINITE_CONTRACT,
     check_tensor,
     counted_entries,
     flatten_kv,
+    kv_rows_of_format,
     nonfinite_rows,
     require_bool,
     require_disjoint,
@@ -68,9 +70,12 @@ class PrefillStep:
             <= topk and no ``topk_length`` is given, as DSA's indexer selects every position then).
         has_topk_length: whether a ``topk_length`` tensor comes with the indices.
         kernels_available: whether the Triton kernels can run (CUDA, or CPU with TRITON_INTERPRET=1).
+        kv_format: the cache's format: None (rows in q's dtype) or "fp8_ds_mla" (``sparse_mla.kv_format``:
+            the MQA paths dequantize in the kernel, the MHA paths dequantize the window rows first).
 
     Raises:
-        TypeError, ValueError: a non-int dim or length, a negative value, mismatched list lengths.
+        TypeError, ValueError: a non-int dim or length, a negative value, mismatched list lengths, an
+            unknown kv_format.
     """
 
     num_heads: int
@@ -84,6 +89,7 @@ class PrefillStep:
     dense_topk: bool | None = None
     has_topk_length: bool = False
     kernels_available: bool = True
+    kv_format: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "topk"):
@@ -101,6 +107,7 @@ class PrefillStep:
             )
         if self.dense_topk not in (None, True, False):
             raise TypeError(f"dense_topk must be None, True or False, got {self.dense_topk!r}")
+        check_kv_format(self.kv_format)
 
     @classmethod
     def from_model(cls, model: object, *, cached_lens: Sequence[int], new_lens: Sequence[int], tp_size: int = 1,
@@ -183,19 +190,25 @@ def kernels_available(device: torch.device, dtype: torch.dtype | None = None) ->
 
 @dataclass(frozen=True)
 class DSAPrefillProblem:
-    """Validated tensors of one ``dsa_prefill`` call (see ``validate_dsa_prefill_args``)."""
+    """Validated tensors of one ``dsa_prefill`` call (see ``validate_dsa_prefill_args``).
+
+    With an FP8 cache (``kv_format="fp8_ds_mla"``) there is no kv_c / k_pe tensor in q's dtype: ``kv_rows`` is
+    the cache's uint8 rows [N, 656] and ``kv_c`` / ``k_pe`` are None; ``latent_rows`` and ``k_pe_rows``
+    dequantize what a path reads (``sparse_mla.kv_format``).
+    """
 
     q_nope: torch.Tensor  # [T, H, qk_nope] last dim contiguous
     q_pe: torch.Tensor | None  # [T, H, qk_rope], None when qk_rope == 0
     w_kv_b: torch.Tensor  # [H, qk_nope + v, r] (view of kv_b_proj.weight)
-    kv_c: torch.Tensor  # [N, r]
-    k_pe: torch.Tensor | None  # [N, qk_rope], None when qk_rope == 0
-    kv_rows: torch.Tensor | None  # [N, r + qk_rope] one row tensor when available without a copy
+    kv_c: torch.Tensor | None  # [N, r]; None for an FP8 cache
+    k_pe: torch.Tensor | None  # [N, qk_rope], None when qk_rope == 0 or for an FP8 cache
+    kv_rows: torch.Tensor | None  # [N, r + qk_rope] one row tensor when available without a copy; the FP8 cache's bytes
     indices: torch.Tensor  # [T, K] int32
     topk_length: torch.Tensor | None  # [T] int32
     sm_scale: float
     row_offsets: tuple[int, ...]  # [B] global row of each request's position 0
     step: PrefillStep
+    kv_format: str | None = None  # None or "fp8_ds_mla" (then kv_rows is uint8 [N, 656])
 
     @property
     def w_uk(self) -> torch.Tensor:
@@ -209,7 +222,33 @@ class DSAPrefillProblem:
 
     @property
     def num_kv_rows(self) -> int:
-        return self.kv_c.shape[0]
+        return (self.kv_c if self.kv_c is not None else self.kv_rows).shape[0]
+
+    @property
+    def cache_device(self) -> torch.device:
+        return (self.kv_c if self.kv_c is not None else self.kv_rows).device
+
+    def latent_rows(self, rows: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(kv_c[rows] [L, r], k_pe[rows] [L, qk_rope] or None) in q_nope's dtype: views of the cache for plain
+        rows, the dequantized rows (a new [L, r + qk_rope] buffer) for an FP8 cache. ``rows``: a slice or a 1-D
+        int64 tensor of row ids on the cache's device."""
+        if self.kv_format is None:
+            return self.kv_c[rows], None if self.k_pe is None else self.k_pe[rows]
+        fmt = KV_FORMATS[self.kv_format]
+        if isinstance(rows, torch.Tensor):
+            deq = fmt.dequantize(self.kv_rows, self.q_nope.dtype, rows=rows)
+        else:
+            deq = fmt.dequantize(self.kv_rows[rows], self.q_nope.dtype)
+        r = self.step.kv_lora_rank
+        return deq[:, :r], deq[:, r:]
+
+    def k_pe_rows(self) -> torch.Tensor | None:
+        """k_pe of every cache row [N, qk_rope] in q_nope's dtype (None without a rope part): the k_pe view,
+        or for an FP8 cache its bf16 k_pe bytes viewed (no copy for a bf16 q) or converted to q's dtype."""
+        if self.kv_format is None:
+            return self.k_pe
+        pe = KV_FORMATS[self.kv_format].rope(self.kv_rows)
+        return pe if pe.dtype == self.q_nope.dtype else pe.to(self.q_nope.dtype)
 
 
 def token_windows(new_lens: Sequence[int], cached_lens: Sequence[int], row_offsets: Sequence[int],
@@ -283,6 +322,7 @@ def validate_dsa_prefill_args(
     dense_topk: bool | None = None,
     check: bool = False,
     allowed_dtypes: tuple[torch.dtype, ...] = KERNEL_DTYPES,
+    kv_format: str | None = None,
 ) -> DSAPrefillProblem:
     """Check the arguments of ``dsa_prefill`` / ``dsa_prefill_ref`` and normalize them.
 
@@ -290,8 +330,11 @@ def validate_dsa_prefill_args(
 
     Raises:
         TypeError: a non-tensor where a tensor is expected, a dtype outside ``allowed_dtypes`` or
-            different from q_nope's, non-int32 indices / topk_length, non-int lengths.
-        ValueError: shape, device or layout mismatches (named), both or neither of kv / kv_c,
+            different from q_nope's, non-int32 indices / topk_length, non-int lengths; a kv_format that is
+            neither None nor a string, an FP8 cache that is not uint8 / float8_e4m3fn.
+        ValueError: shape, device or layout mismatches (named), both or neither of kv / kv_c, an unknown
+            kv_format, kv_c / k_pe with kv_format (the FP8 cache comes whole, as kv), an FP8 cache whose rows
+            are not 656 bytes or not 16-byte aligned, or dims other than its kv_lora_rank 512 / qk_rope 64,
             lengths that do not add up to T, a request window past the end of the cache, a
             non-finite sm_scale; with ``check=True`` also: topk_length outside [0, K], a valid entry
             outside its query's causal window, a repeated row in one list, and (when the dense
@@ -328,10 +371,24 @@ def validate_dsa_prefill_args(
     d_v = w_kv_b.shape[0] // H - d_nope
     w3 = w_kv_b.reshape(H, d_nope + d_v, r)
 
+    kv_format = check_kv_format(kv_format)
     if (kv is None) == (kv_c is None):
         raise ValueError("pass exactly one of kv ([N, kv_lora_rank + qk_rope_head_dim] rows) or kv_c ([N, kv_lora_rank]; k_pe), "
                          f"got {'both' if kv is not None else 'neither'}")
-    if kv is not None:
+    if kv_format is not None:
+        if kv is None or k_pe is not None:
+            raise ValueError(f"kv_format={kv_format!r}: pass the cache whole as kv (its rows hold kv_c and k_pe), not "
+                             "kv_c / k_pe")
+        fmt = KV_FORMATS[kv_format]
+        kv_rows = kv_rows_of_format(kv, kv_format, r + d_rope, "kv_lora_rank + qk_rope_head_dim (w_kv_b's columns + "
+                                    "q_pe's last dim)")
+        if kv_rows.device != q_nope.device:
+            raise ValueError(f"kv is on {kv_rows.device} but q_nope is on {q_nope.device}; all tensors must share one device")
+        if r != fmt.kv_lora_rank:
+            raise ValueError(f"w_kv_b (kv_b_proj.weight) must have kv_lora_rank = {fmt.kv_lora_rank} columns with "
+                             f"kv_format={kv_format!r}, got {r}")
+        kv_c = k_pe = None
+    elif kv is not None:
         kv = flatten_kv(_tensor("kv", kv))
         _same("kv", kv, q_nope)
         if k_pe is not None:
@@ -363,7 +420,7 @@ def validate_dsa_prefill_args(
         else:
             k_pe = None
         kv_rows = _joint_rows(kv_c, k_pe)
-    N = kv_c.shape[0]
+    N = (kv_c if kv_c is not None else kv_rows).shape[0]
 
     indices = _tensor("indices", indices)
     if indices.device != q_nope.device:
@@ -404,8 +461,10 @@ def validate_dsa_prefill_args(
             raise ValueError(f"request {b}: rows row_offsets + cached + new = {o} + {c} + {n} exceed the cache's N = {N} rows")
 
     step = PrefillStep(H, r, d_nope, d_rope, d_v, K, cached, new, dense_topk=dense_topk,
-                       has_topk_length=topk_length is not None, kernels_available=kernels_available(q_nope.device, q_nope.dtype))
-    p = DSAPrefillProblem(q_nope, q_pe, w3, kv_c, k_pe, kv_rows, indices, topk_length, sm_scale, row_offsets, step)
+                       has_topk_length=topk_length is not None, kernels_available=kernels_available(q_nope.device, q_nope.dtype),
+                       kv_format=kv_format)
+    p = DSAPrefillProblem(q_nope, q_pe, w3, kv_c, k_pe, kv_rows, indices, topk_length, sm_scale, row_offsets, step,
+                          kv_format)
     if check:
         check_layer_contents(p)
     return p
@@ -454,7 +513,7 @@ def check_layer_contents(p: DSAPrefillProblem) -> None:
 def window_row_ids(p: DSAPrefillProblem) -> torch.Tensor:
     """[R] int64 on the cache's device: the cache rows of every request window that has new tokens
     (rows row_offsets[b] .. row_offsets[b] + cached_b + new_b - 1), ascending, each once."""
-    dev = p.kv_c.device
+    dev = p.cache_device
     parts = [torch.arange(o, o + c + n, device=dev) for o, c, n in zip(p.row_offsets, p.step.cached_lens, p.step.new_lens)
              if n > 0]
     return torch.unique(torch.cat(parts)) if parts else torch.zeros(0, dtype=torch.int64, device=dev)
@@ -477,7 +536,10 @@ def check_window_rows_finite(p: DSAPrefillProblem, indices: torch.Tensor, select
     rows = window_row_ids(p)
     if rows.numel() == 0:
         return
-    bad = nonfinite_rows(p.kv_c, rows)
+    if p.kv_format is not None:  # the FP8 cache's rows as they dequantize (kv_c and k_pe in one row)
+        bad = nonfinite_rows(p.kv_rows, rows, kv_format=p.kv_format)
+    else:
+        bad = nonfinite_rows(p.kv_c, rows)
     if p.k_pe is not None:
         bad = torch.unique(torch.cat([bad, nonfinite_rows(p.k_pe, rows)]))
     if bad.numel() == 0:
@@ -504,5 +566,5 @@ def validate_dsa_prefill_out(p: DSAPrefillProblem, out: object) -> torch.Tensor 
     check_tensor("out", out, dims="[T, H, v_head_dim]", shape=(T, H, p.step.v_head_dim), dtype=p.q_nope.dtype,
                  device=p.q_nope.device, layout="last_dim", writable=True)
     require_disjoint({"out": out}, {"q_nope": p.q_nope, "q_pe": p.q_pe, "w_kv_b": p.w_kv_b, "kv_c": p.kv_c,
-                                    "k_pe": p.k_pe, "indices": p.indices, "topk_length": p.topk_length})
+                                    "k_pe": p.k_pe, "kv": p.kv_rows, "indices": p.indices, "topk_length": p.topk_length})
     return out

@@ -14,6 +14,13 @@ value of ``sparse_mla.layer.reference.dsa_prefill_ref`` up to bf16 rounding:
 * ``mqa_grouped`` / ``mqa_per_token``: absorb q_nope through W_UK, ``sparse_mla_fwd`` over the
   latent rows (method "grouped" / "per_token", groups inside requests), then W_UV.
 
+FP8 cache (``kv_format="fp8_ds_mla"``, ``sparse_mla.kv_format``): the MQA paths hand the cache bytes to
+``sparse_mla_fwd`` (the kernel dequantizes each gathered row); the MHA paths dequantize the rows of the
+request windows to q's dtype first (``DSAPrefillProblem.latent_rows``: one [L, 576] temporary in q's dtype
+beside the decompressed K/V) and the masked kernel reads k_pe as the cache's bf16 bytes (converted to q's
+dtype if that is not bf16). All read the same dequantized values, so all reproduce ``dsa_prefill_ref`` on
+that cache.
+
 Kernel modules are imported on first use, so that importing the layer (and testing the dispatcher)
 never decorates a Triton kernel.
 """
@@ -69,16 +76,19 @@ def window_rows(p: DSAPrefillProblem) -> tuple[torch.Tensor | slice, list[int]]:
         rows.append((o, L))
     if all(rows[b][0] == rows[0][0] + starts[b] for b in range(len(rows))):
         return slice(rows[0][0], rows[0][0] + acc), starts
-    dev = p.kv_c.device
+    dev = p.cache_device
     return torch.cat([torch.arange(o, o + L, device=dev) for o, L in rows]), starts
 
 
-def decompress(p: DSAPrefillProblem, rows: torch.Tensor | slice) -> torch.Tensor:
+def decompress(p: DSAPrefillProblem, rows: torch.Tensor | slice,
+               kv_c: torch.Tensor | None = None) -> torch.Tensor:
     """[L, H, qk_nope + v] in q's dtype: kv_c[rows] @ kv_b_proj.weight.T, per head k_nope then v.
+    ``kv_c``: those rows when the caller has them already (an FP8 cache's dequantized rows).
 
     k_nope = result[..., :qk_nope] and v = result[..., qk_nope:] are views (no copy)."""
     H, d, r = p.w_kv_b.shape
-    kv_c = p.kv_c[rows]
+    if kv_c is None:
+        kv_c, _ = p.latent_rows(rows)
     return (kv_c @ p.w_kv_b.reshape(H * d, r).t()).view(kv_c.shape[0], H, d)
 
 
@@ -116,8 +126,9 @@ class DenseMHA:
 
         dn = p.step.qk_nope_head_dim
         rows, starts = window_rows(p)
-        kvd = decompress(p, rows)
-        k = mha_keys(kvd, None if p.k_pe is None else p.k_pe[rows], dn)
+        kv_c, k_pe = p.latent_rows(rows)
+        kvd = decompress(p, rows, kv_c)
+        k = mha_keys(kvd, k_pe, dn)
         v = kvd[..., dn:]
         q = mha_queries(p)
         t0 = 0
@@ -169,7 +180,7 @@ class MaskedMHA:
         plan = plan_masked_mha(p.step.cached_lens, p.step.new_lens, p.row_offsets, starts, self.block_m or bm,
                                p.q_nope.device)
         words = build_key_bitmask(p.indices, p.topk_length, plan)
-        return masked_mha_fwd(p.q_nope, p.q_pe, kvd[..., :dn], p.k_pe, kvd[..., dn:], words, plan, p.sm_scale, out,
+        return masked_mha_fwd(p.q_nope, p.q_pe, kvd[..., :dn], p.k_pe_rows(), kvd[..., dn:], words, plan, p.sm_scale, out,
                               block_n=self.block_n or bn, tile_counts=tile_counts)
 
 
@@ -233,7 +244,8 @@ def absorbed_mqa(p: DSAPrefillProblem, out: torch.Tensor, method: str, q_heads: 
             64-head minimum of FlashMLA's sparse prefill, which engines pad to on Hopper (the
             benchmark's baseline, ``sparse_mla.bench.baselines``).
         attention: the latent attention call, ``sparse_mla_fwd``'s signature (default ``sparse_mla_fwd``;
-            the benchmark passes FlashMLA's kernel behind an adapter when it is installed).
+            the benchmark passes FlashMLA's kernel behind an adapter when it is installed). It receives
+            ``kv_format=`` only for an FP8 cache (then the rows are the cache's bytes).
     """
     from ..interface import sparse_mla_fwd
 
@@ -252,7 +264,9 @@ def absorbed_mqa(p: DSAPrefillProblem, out: torch.Tensor, method: str, q_heads: 
     # one request: no cu_seqlens_q (groups cannot cross a boundary that is not there; saves a host copy)
     cu = (to_device_async(torch.tensor([0, *itertools.accumulate(p.step.new_lens)], dtype=torch.int32), dev)
           if len(p.step.new_lens) > 1 else None)
-    latent = attention(q, kv_rows, idx, p.sm_scale, d_v=r, topk_length=p.topk_length, method=method, cu_seqlens_q=cu)
+    fmt = {} if p.kv_format is None else {"kv_format": p.kv_format}
+    latent = attention(q, kv_rows, idx, p.sm_scale, d_v=r, topk_length=p.topk_length, method=method, cu_seqlens_q=cu,
+                       **fmt)
     out.copy_(torch.bmm(latent[:, :H].transpose(0, 1), p.w_uv.transpose(1, 2)).transpose(0, 1))
     return out
 

@@ -36,6 +36,7 @@ def dsa_prefill(
     check: bool = False,
     out: torch.Tensor | None = None,
     return_decision: bool = False,
+    kv_format: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, PathDecision]:
     """DeepSeek Sparse Attention prefill of one MLA layer: per-token sparse attention over each new
     token's top-k cache rows, returned per head in the MHA form.
@@ -62,6 +63,9 @@ def dsa_prefill(
             k_pe = kv[:, kv_lora_rank:]), or paged [num_blocks, block_size, D] viewed flat. Or:
         kv_c: [N, kv_lora_rank] with k_pe: [N, qk_rope_head_dim] (None for NoPE). Exactly one of
             kv / kv_c. Separate buffers cost the MQA paths one [N, D] concatenation per call.
+            With kv_format="fp8_ds_mla": kv is the FP8 cache, uint8 (or float8_e4m3fn) [N, 656], paged
+            [num_blocks, block_size, 656] or [num_blocks, block_size, 1, 656], rows 16-byte aligned; the
+            layout's kv_lora_rank 512 and qk_rope_head_dim 64 are then required (``sparse_mla.kv_format``).
         cached_lens, new_lens: [B] host ints (or CPU int tensors): per request, positions already
             cached and new tokens; the new tokens are its last new_lens[b] positions.
         row_offsets: [B] host ints: request b's position p is cache row row_offsets[b] + p
@@ -78,6 +82,11 @@ def dsa_prefill(
             and lists that are not whole windows when the dense path is eligible.
         out: optional preallocated o, [T, H, v_head_dim] in q's dtype on q's device, last dim
             contiguous (written and returned).
+        kv_format: None (kv / kv_c / k_pe hold rows in q's dtype) or "fp8_ds_mla" (FlashMLA's / vLLM's FP8
+            cache; explicit, never inferred from the dtype). Every path then computes the definition on the
+            cache dequantized to q's dtype: the MQA paths dequantize each gathered row in the Triton kernel
+            (the Gluon one takes bf16 / fp16 caches only), the MHA paths dequantize the request windows'
+            rows with torch first. The dispatcher's thresholds were measured with bf16 caches.
         return_decision: also return the ``PathDecision`` (path, reason, supports table; its backend
             descriptions are left empty: ``explain(step)`` fills them).
 
@@ -98,6 +107,7 @@ def dsa_prefill(
     p = validate_dsa_prefill_args(
         q_nope, q_pe, w_kv_b, indices, kv=kv, kv_c=kv_c, k_pe=k_pe, cached_lens=cached_lens, new_lens=new_lens,
         row_offsets=row_offsets, sm_scale=sm_scale, topk_length=topk_length, dense_topk=dense_topk, check=check,
+        kv_format=kv_format,
     )
     T, H, _ = p.q_nope.shape
     if validate_dsa_prefill_out(p, out) is None:

@@ -13,6 +13,9 @@ where indices' are the top-k lists with every entry outside the token's causal w
 row_offsets[b] .. row_offsets[b] + cached_b + i of its request) turned into padding. The MHA form
 is the same value: k_nope[n, h] = W_UK[h] @ kv_c[n], v[n, h] = W_UV[h] @ kv_c[n], and attention of
 concat(q_nope, q_pe) against concat(k_nope, k_pe) over the same rows (``form="mha"``).
+
+With an FP8 cache (``kv_format="fp8_ds_mla"``) kv_row[n] is the cache row dequantized to q_nope's dtype
+(``sparse_mla.kv_format``); both forms read those values.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ def dsa_prefill_ref(
     topk_length: torch.Tensor | None = None,
     form: str = "mqa",
     chunk_tokens: int = 16,
+    kv_format: str | None = None,
 ) -> torch.Tensor:
     """fp32 reference of ``sparse_mla.layer.dsa_prefill`` (same arguments; see its docstring).
 
@@ -52,6 +56,8 @@ def dsa_prefill_ref(
         form: "mqa" (absorbed, through ``sparse_mla_ref``; needs kv_lora_rank 512 and qk_rope in
             {0, 64}) or "mha" (decompressed per-head K/V, any dims).
         chunk_tokens: tokens evaluated at once in the "mha" form.
+        kv_format: None, or "fp8_ds_mla" with kv the FP8 cache: the definition on the cache dequantized
+            to q_nope's dtype (module docstring).
 
     Returns:
         o: [T, H, v_head_dim] fp32 on q_nope's device; 0 for a token with no valid entry.
@@ -65,24 +71,26 @@ def dsa_prefill_ref(
     p = validate_dsa_prefill_args(
         q_nope, q_pe, w_kv_b, indices, kv=kv, kv_c=kv_c, k_pe=k_pe, cached_lens=cached_lens, new_lens=new_lens,
         row_offsets=row_offsets, sm_scale=sm_scale, topk_length=topk_length, allowed_dtypes=REF_DTYPES,
+        kv_format=kv_format,
     )
     dev = p.q_nope.device
     lo, win = token_windows(p.step.new_lens, p.step.cached_lens, p.row_offsets, dev)
     idx = restrict_to_windows(p.indices, lo, win)
     w_uk, w_uv = p.w_uk.float(), p.w_uv.float()
     T, H, _ = p.q_nope.shape
+    kv_c, k_pe = p.latent_rows(slice(None))  # the whole cache (dequantized to q's dtype for an FP8 one)
     if form == "mqa":
         q = torch.einsum("thn,hnr->thr", p.q_nope.float(), w_uk)
-        kv_rows = p.kv_c.float()
+        kv_rows = kv_c.float()
         if p.q_pe is not None:
             q = torch.cat([q, p.q_pe.float()], dim=-1)
-            kv_rows = torch.cat([kv_rows, p.k_pe.float()], dim=-1)
+            kv_rows = torch.cat([kv_rows, k_pe.float()], dim=-1)
         latent, _ = sparse_mla_ref(q.contiguous(), kv_rows.contiguous(), idx, p.sm_scale, d_v=p.step.kv_lora_rank,
                                    topk_length=p.topk_length)
         return torch.einsum("thr,hvr->thv", latent, w_uv)
 
-    k_nope = torch.einsum("nr,hdr->nhd", p.kv_c.float(), w_uk)  # [N, H, qk_nope]
-    v = torch.einsum("nr,hdr->nhd", p.kv_c.float(), w_uv)  # [N, H, v_head_dim]
+    k_nope = torch.einsum("nr,hdr->nhd", kv_c.float(), w_uk)  # [N, H, qk_nope]
+    v = torch.einsum("nr,hdr->nhd", kv_c.float(), w_uv)  # [N, H, v_head_dim]
     N, K = p.num_kv_rows, idx.shape[1]
     out = torch.empty(T, H, p.step.v_head_dim, dtype=torch.float32, device=dev)
     cols = torch.arange(K, device=dev)
@@ -95,7 +103,7 @@ def dsa_prefill_ref(
         rows = torch.where(valid, rows, 0)
         s = torch.einsum("thd,tkhd->thk", p.q_nope[t0:t1].float(), k_nope[rows])
         if p.q_pe is not None:
-            s = s + torch.einsum("thd,tkd->thk", p.q_pe[t0:t1].float(), p.k_pe.float()[rows])
+            s = s + torch.einsum("thd,tkd->thk", p.q_pe[t0:t1].float(), k_pe.float()[rows])
         s = (s * p.sm_scale).masked_fill(~valid[:, None, :], float("-inf"))
         lse = torch.logsumexp(s, dim=-1, keepdim=True)
         probs = torch.where(valid.any(-1)[:, None, None], torch.exp(s - lse), 0.0)

@@ -5,7 +5,8 @@ Backends:
 * ``"gluon_sm90"``: ``sparse_mla.mqa.gluon_sm90``, the warp-specialized Hopper kernel. Applies on a
   CUDA device of compute capability 9.0 (wgmma is sm_90a-only), with a Triton whose Gluon API the
   kernel is written against (``gluon_sm90.SUPPORTED_TRITON``), not under ``TRITON_INTERPRET=1``,
-  bf16 / fp16, and 16-byte aligned q, kv, out (base pointers and row strides; cp.async moves 16 B).
+  bf16 / fp16, and 16-byte aligned q, kv, out (base pointers and row strides; cp.async moves 16 B), and kv
+  not an FP8 ``fp8_ds_mla`` cache (``FP8_KV_REASON``: such a cache always runs the Triton kernel).
 * ``"triton"``: ``sparse_mla.mqa.triton_tl``, the portable kernel: every other case, and the
   CPU-tested twin every other backend is held to.
 
@@ -27,6 +28,7 @@ logger = logging.getLogger("sparse_mla")
 
 BACKENDS = ("triton", "gluon_sm90")
 ENV_VAR = "SPARSE_MLA_MQA_BACKEND"
+FP8_KV_REASON = "kv is an fp8_ds_mla cache: the Gluon kernel takes bf16/fp16 caches only"
 
 
 def _capability(device: torch.device) -> tuple[int, int] | None:
@@ -64,6 +66,8 @@ def gluon_sm90_applies(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | No
     q [T, H, D_qk], kv [N, D_qk] (flattened rows), out [T, H, 512] or None (allocated contiguous).
     Plain Python over tensor metadata: no device sync, no CUDA query beyond the device capability.
     """
+    if kv.dtype == torch.uint8:  # the validated byte rows [N, 656] of kv_format="fp8_ds_mla" (sparse_mla.kv_format)
+        return False, FP8_KV_REASON
     ok, why = gluon_sm90_device_applies(q.device, q.dtype)
     if not ok:
         return ok, why

@@ -16,12 +16,17 @@ A query with no valid index gets ``out = 0`` (whatever the sink), ``lse = -inf``
 ``max_logits = -inf``. (``sparse_mla.flash_mla_sparse_fwd`` reports lse = +inf there instead, as
 FlashMLA does.) Rows a query does not select never reach its result: a NaN or inf in an
 unselected kv row changes nothing.
+
+FP8 cache (``kv_format="fp8_ds_mla"``, ``sparse_mla.kv_format``): the definition above applied to the
+cache dequantized to q's dtype, ``kv = FP8_DS_MLA.dequantize(cache, q.dtype)`` (kv_c = e4m3 * scale rounded
+once to q's dtype, k_pe the stored bf16 values), which is what the kernels compute with.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..kv_format import KV_FORMATS
 from ..validation import validate_sparse_mla_args
 
 
@@ -40,12 +45,14 @@ def sparse_mla_ref(
     chunk_tokens: int = 16,
     attn_sink: torch.Tensor | None = None,
     return_max_logits: bool = False,
+    kv_format: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp32 reference of sparse MLA prefill; same arguments as ``sparse_mla_fwd``.
 
     Args:
         q: [T, H, D_qk] bf16/fp16/fp32, any device; D_qk in {512, 576}.
-        kv: [N, D_qk] (or paged [num_blocks, block_size, D_qk]) with q's dtype and device.
+        kv: [N, D_qk] (or paged [num_blocks, block_size, D_qk]) with q's dtype and device; or, with
+            kv_format="fp8_ds_mla", the FP8 cache: uint8 / float8_e4m3fn [N, 656] (or paged), D_qk 576.
         indices: [T, K] or [T, 1, K] int32 global kv rows; < 0, >= N, or past topk_length = padding.
         sm_scale: softmax scale applied to q . k.
         d_v: value width, the first d_v columns of each kv row (512).
@@ -58,6 +65,8 @@ def sparse_mla_ref(
             (-inf and +inf allowed; see the module docstring). Changes out only.
         return_max_logits: also return max_logits [T, H] fp32 (natural units, -inf for a query
             with no valid index).
+        kv_format: None (kv holds rows in q's dtype) or "fp8_ds_mla": the definition on the cache
+            dequantized to q's dtype (module docstring).
 
     Returns:
         out: [T, H, d_v] fp32 on q's device. lse: [T, H] fp32, natural log, -inf for a query
@@ -70,7 +79,7 @@ def sparse_mla_ref(
     del return_lse, method
     p = validate_sparse_mla_args(
         q, kv, indices, sm_scale, d_v=d_v, topk_length=topk_length, cu_seqlens_q=cu_seqlens_q,
-        check=check, allowed_dtypes=(torch.bfloat16, torch.float16, torch.float32),
+        check=check, allowed_dtypes=(torch.bfloat16, torch.float16, torch.float32), kv_format=kv_format,
     )
     T, H, _ = p.q.shape
     K, N = p.topk, p.num_kv_rows
@@ -80,7 +89,7 @@ def sparse_mla_ref(
                             f"{attn_sink.dtype if isinstance(attn_sink, torch.Tensor) else type(attn_sink).__name__}")
         if attn_sink.shape != (H,) or attn_sink.device != q.device:
             raise ValueError(f"attn_sink must be [H] = [{H}] on {q.device}, got {tuple(attn_sink.shape)} on {attn_sink.device}")
-    kv32 = p.kv.float()
+    kv32 = p.kv.float() if p.kv_format is None else KV_FORMATS[p.kv_format].dequantize(p.kv, q.dtype).float()
     out = torch.empty(T, H, d_v, dtype=torch.float32, device=q.device)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     max_logits = torch.empty(T, H, dtype=torch.float32, device=q.device)

@@ -18,6 +18,13 @@ pass: ``lse`` and ``max_logits`` (optional [T, H] fp32 outputs) come from the on
 row max m and sum l, and an optional per-head ``attn_sink`` [H] fp32 adds exp(attn_sink[h]) to the
 denominator of out (in base 2: l + exp2(attn_sink[h] * log2(e) - m)), leaving lse and max_logits as
 they are. A pseudo-head with no valid row stores out 0, lse -inf, max_logits -inf.
+
+FP8 cache (``KV_FP8``, kv given as the uint8 rows [N, 656] of an ``fp8_ds_mla`` cache,
+``sparse_mla.kv_format``): each gathered row's 512 bytes are bitcast to float8e4nv and converted by the
+hardware (fp8 -> fp32), multiplied by the row's fp32 scale of their 128-value tile and rounded once to q's
+dtype before the dots; the 64 RoPE values are read as bf16 from the same row and converted to q's dtype. The
+same numbers as ``FP8_DS_MLA.dequantize(cache, q.dtype)``, so the kernel computes the definition on the
+dequantized cache. An invalid or padding slot loads zero bytes and a zero scale (value 0, masked).
 """
 
 from __future__ import annotations
@@ -29,6 +36,26 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 D_V = 512
 D_PE = 64
+# fp8_ds_mla row layout (sparse_mla.kv_format.FP8_DS_MLA): scales at byte 512 (one fp32 per 128 values), RoPE bf16 at
+# 528 (constexpr objects: a jit function may read only those globals; tests/test_kv_fp8.py checks them against the format)
+FP8_SCALE_OFFSET = tl.constexpr(512)
+FP8_ROPE_OFFSET = tl.constexpr(528)
+FP8_TILE = tl.constexpr(128)
+
+
+@triton.jit
+def _load_fp8_nope(kv_row, offs_v, row_ok, out_dtype: tl.constexpr, SCALE_OFFSET: tl.constexpr, TILE: tl.constexpr):
+    """[BLOCK_N, 512] dequantized NoPE values of fp8_ds_mla rows (kv_row: uint8 row pointers [BLOCK_N]):
+    out_dtype(fp32(e4m3) * scale[c // TILE]); 0 where row_ok is false."""
+    raw = tl.load(kv_row[:, None] + offs_v[None, :], mask=row_ok[:, None], other=0)
+    sc_ptr = (kv_row + SCALE_OFFSET).to(tl.pointer_type(tl.float32), bitcast=True)
+    s0 = tl.load(sc_ptr, mask=row_ok, other=0.0)[:, None]
+    s1 = tl.load(sc_ptr + 1, mask=row_ok, other=0.0)[:, None]
+    s2 = tl.load(sc_ptr + 2, mask=row_ok, other=0.0)[:, None]
+    s3 = tl.load(sc_ptr + 3, mask=row_ok, other=0.0)[:, None]
+    col = offs_v[None, :]
+    scale = tl.where(col < TILE, s0, tl.where(col < 2 * TILE, s1, tl.where(col < 3 * TILE, s2, s3)))
+    return (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(out_dtype)
 
 
 @triton.jit
@@ -39,6 +66,7 @@ def _sparse_mqa_fwd_kernel(
     GROUPED: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, HAS_ROUTE: tl.constexpr,
     HAS_PE: tl.constexpr, GROUP_HEADS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_V: tl.constexpr, D_PE: tl.constexpr,
+    KV_FP8: tl.constexpr = False,
 ):
     gid = tl.program_id(0)  # token / group on grid axis 0 (up to 2**31 - 1; axis 1 stops at 65535)
     pid_m = tl.program_id(1)
@@ -82,11 +110,19 @@ def _sparse_mqa_fwd_kernel(
                 rows = tl.load(IDX + gid.to(tl.int64) * stride_it + offs_n, mask=in_list, other=-1)
                 row_ok = in_list & (rows >= 0) & (rows < N)
                 allowed = row_ok[None, :]
-            kv_row = KV + rows.to(tl.int64) * stride_kvn
-            kv_nope = tl.load(kv_row[:, None] + offs_v[None, :], mask=row_ok[:, None], other=0.0)
+            kv_row = KV + rows.to(tl.int64) * stride_kvn  # stride_kvn in elements of KV (bytes for KV_FP8)
+            if KV_FP8:
+                kv_nope = _load_fp8_nope(kv_row, offs_v, row_ok, Q.dtype.element_ty, FP8_SCALE_OFFSET, FP8_TILE)
+            else:
+                kv_nope = tl.load(kv_row[:, None] + offs_v[None, :], mask=row_ok[:, None], other=0.0)
             qk = tl.dot(q_nope, tl.trans(kv_nope))
             if HAS_PE:
-                kv_pe = tl.load(kv_row[:, None] + D_V + offs_pe[None, :], mask=row_ok[:, None], other=0.0)
+                if KV_FP8:
+                    pe_row = (kv_row + FP8_ROPE_OFFSET).to(tl.pointer_type(tl.bfloat16), bitcast=True)
+                    kv_pe = tl.load(pe_row[:, None] + offs_pe[None, :], mask=row_ok[:, None], other=0.0)
+                    kv_pe = kv_pe.to(Q.dtype.element_ty)
+                else:
+                    kv_pe = tl.load(kv_row[:, None] + D_V + offs_pe[None, :], mask=row_ok[:, None], other=0.0)
                 qk = tl.dot(q_pe, tl.trans(kv_pe), qk)
             qk = tl.where(allowed, qk * scale_log2, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -118,6 +154,12 @@ def _sparse_mqa_fwd_kernel(
             tl.store(MAX_LOGITS + tok * stride_mt + hh, max_logit, mask=p_ok)
 
 
+def is_fp8_rows(kv: torch.Tensor) -> bool:
+    """Whether a validated ``kv`` is the uint8 byte rows of an fp8_ds_mla cache (the validation turns
+    ``kv_format="fp8_ds_mla"`` into exactly that; plain rows are bf16 / fp16)."""
+    return kv.dtype == torch.uint8
+
+
 def block_m_for_heads(num_pseudo_heads: int) -> int:
     """Pseudo-heads per program: the MMA minimum of 16, else the next power of two, at most 64."""
     return min(64, max(16, triton.next_power_of_2(num_pseudo_heads)))
@@ -132,8 +174,20 @@ LAUNCH_CONFIGS: dict[int, tuple[int, int, int]] = {
 }
 
 
-def _launch_config(block_m: int, config: tuple[int, int, int] | None) -> tuple[int, int, int]:
-    return config or LAUNCH_CONFIGS[block_m]
+# The same per BLOCK_M for an fp8_ds_mla cache (KV_FP8), NOT timed yet: chosen from sm_90 compiles on the CPU
+# (Triton 3.6, ptxas -v): the dequantized tile passes through registers, so at 16 / 32 pseudo-heads 8 warps and
+# BLOCK_N 32 spill least (16: 0 B and 105 KB of shared memory, 2 CTAs per SM, against 136 B / 192 KB for the bf16
+# config; 32: 468 B against 2.2 KB). `python -m sparse_mla.bench.kv_fp8 --sweep-configs` times the alternatives.
+LAUNCH_CONFIGS_FP8: dict[int, tuple[int, int, int]] = {
+    16: (32, 8, 2),
+    32: (32, 8, 2),
+    64: (64, 8, 2),
+    128: (64, 16, 2),
+}
+
+
+def _launch_config(block_m: int, config: tuple[int, int, int] | None, fp8: bool = False) -> tuple[int, int, int]:
+    return config or (LAUNCH_CONFIGS_FP8 if fp8 else LAUNCH_CONFIGS)[block_m]
 
 
 def sparse_mqa_per_token(
@@ -144,7 +198,8 @@ def sparse_mqa_per_token(
 ) -> None:
     """Launch the per-token kernel on validated inputs (see ``sparse_mla_fwd``).
 
-    q [T, H, D_qk], kv [N, D_qk], indices [T, K] int32, out [T, H, 512] (written),
+    q [T, H, D_qk], kv [N, D_qk] in q's dtype or the uint8 rows [N, 656] of an fp8_ds_mla cache (then D_qk is
+    576; ``is_fp8_rows``), indices [T, K] int32, out [T, H, 512] (written),
     lse [T, H] fp32 or None, route [T] int8/int32 or None (0 = skip the token);
     config overrides (BLOCK_N, num_warps, num_stages) for tuning. attn_sink [H] fp32 contiguous
     or None; max_logits [T, H] fp32 (row stride ``max_logits.stride(0)``, heads contiguous) or
@@ -154,7 +209,7 @@ def sparse_mqa_per_token(
     if T == 0:
         return
     block_m = block_m_for_heads(H)
-    block_n, warps, stages = _launch_config(block_m, config)
+    block_n, warps, stages = _launch_config(block_m, config, is_fp8_rows(kv))
     grid = (T, triton.cdiv(H, block_m))
     dummy = indices
     _sparse_mqa_fwd_kernel[grid](
@@ -165,7 +220,7 @@ def sparse_mqa_per_token(
         kv.shape[0], H, indices.shape[1], sm_scale * LOG2E,
         GROUPED=False, HAS_TOPK_LEN=topk_length is not None, HAS_ROUTE=route is not None,
         HAS_PE=D > D_V, GROUP_HEADS=H,
-        BLOCK_M=block_m, BLOCK_N=block_n, D_V=D_V, D_PE=D_PE,
+        BLOCK_M=block_m, BLOCK_N=block_n, D_V=D_V, D_PE=D_PE, KV_FP8=is_fp8_rows(kv),
         num_warps=warps, num_stages=stages,
     )
 
@@ -181,7 +236,8 @@ def sparse_mqa_grouped(
 
     union_rows / union_bits [num_groups, U] int32, union_len / group_start / group_len
     [num_groups] int32 (group_len 0 = the group is not run here). block_m: pseudo-heads per
-    program (default ``block_m_for_heads``; 128 puts a whole 128-row group in one program).
+    program (default ``block_m_for_heads``; 128 puts a whole 128-row group in one program). kv as in
+    ``sparse_mqa_per_token`` (plain rows or fp8_ds_mla bytes).
     attn_sink / max_logits as in ``sparse_mqa_per_token`` (pseudo-head p uses attn_sink[p % H]).
     """
     T, H, D = q.shape
@@ -190,7 +246,7 @@ def sparse_mqa_grouped(
         return
     pseudo = group_size * H
     block_m = block_m or block_m_for_heads(pseudo)
-    block_n, warps, stages = _launch_config(block_m, config)
+    block_n, warps, stages = _launch_config(block_m, config, is_fp8_rows(kv))
     grid = (num_groups, triton.cdiv(pseudo, block_m))
     _sparse_mqa_fwd_kernel[grid](
         q, kv, union_rows, union_rows, union_rows, union_bits, union_len, group_start, group_len, group_len, out, lse,
@@ -200,7 +256,7 @@ def sparse_mqa_grouped(
         kv.shape[0], H, union_rows.shape[1], sm_scale * LOG2E,
         GROUPED=True, HAS_TOPK_LEN=False, HAS_ROUTE=False,
         HAS_PE=D > D_V, GROUP_HEADS=pseudo,
-        BLOCK_M=block_m, BLOCK_N=block_n, D_V=D_V, D_PE=D_PE,
+        BLOCK_M=block_m, BLOCK_N=block_n, D_V=D_V, D_PE=D_PE, KV_FP8=is_fp8_rows(kv),
         num_warps=warps, num_stages=stages,
     )
 
@@ -210,4 +266,5 @@ def useful_flops(num_heads: int, valid_rows: int, d_qk: int, d_v: int = D_V) -> 
     return 2 * num_heads * valid_rows * (d_qk + d_v)
 
 
-__all__ = ["sparse_mqa_per_token", "sparse_mqa_grouped", "block_m_for_heads", "useful_flops"]
+__all__ = ["sparse_mqa_per_token", "sparse_mqa_grouped", "block_m_for_heads", "useful_flops", "is_fp8_rows",
+           "LAUNCH_CONFIGS", "LAUNCH_CONFIGS_FP8"]
