@@ -63,6 +63,11 @@ class DType(str, Enum):
     fp16 = "fp16"
 
 
+class KVDType(str, Enum):
+    same = "same"  # the cache in --dtype
+    fp8 = "fp8"  # the fp8_ds_mla cache (sparse_mla.kv_format), quantized once from the --dtype cache
+
+
 def _parse_ints(text: str | None, what: str, minimum: int = 0) -> list[int] | None:
     """Comma-separated integers >= ``minimum``; typer.BadParameter naming ``what`` otherwise."""
     if text is None:
@@ -184,6 +189,7 @@ def bench(
     overlap: Annotated[str, typer.Option(metavar="PRESET", help="Synthetic top-k preset: high, mid, low (union ratio ~1.2/1.4/1.7 at G=8), none, random.")] = "mid",
     topk_trace: Annotated[str | None, typer.Option(metavar="FILE", show_default="none: synthetic lists", help="Engine top-k dump (.pt or .safetensors, per layer `topk` [T, K] and `valid` [T] int32): its first layer's lists replace the synthetic ones (one request, T = its rows, K = its columns; not with --tokens, --cached, --topk, --overlap).")] = None,
     dtype: Annotated[DType, typer.Option(metavar="bf16|fp16", help="q / kv / weight dtype of the single-GPU benchmark (the interpreter on a CPU always uses fp16; under torchrun: bf16 on GPUs, not settable).")] = DType.bf16,
+    kv_dtype: Annotated[KVDType, typer.Option(metavar="same|fp8", help="Latent cache: 'same' (in --dtype) or 'fp8' (the fp8_ds_mla cache of FlashMLA / vLLM, quantized once; every path runs on it, each checked against the reference on the dequantized cache and compared to the unquantized one, plus the dequantize-then-bf16 baseline). Single-GPU benchmark only.")] = KVDType.same,
     trials: Annotated[int | None, typer.Option(metavar="N", show_default=f"{TRIALS_GPU} on one GPU, {TRIALS_TORCHRUN} under torchrun, {TRIALS_INTERPRETER} under the interpreter", help="Timing trials per path (each a do_bench median and 20/80% quantiles).")] = None,
     seed: Annotated[int, typer.Option(metavar="N", help="Seed of the inputs and synthetic lists.")] = 0,
     json_out: Annotated[str | None, typer.Option("--json", metavar="FILE", show_default="out/bench.json; out/bench_shardq.json under torchrun", help="Where to write the JSON results (results/ holds the committed GPU runs).")] = None,
@@ -219,7 +225,7 @@ def bench(
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         _bench_torchrun(world, model, tp, new_list, topk, overlap, trials, seed, json_out, plot_out,
-                        _given(ctx, "dims", "cached", "topk_trace", "dtype"))
+                        _given(ctx, "dims", "cached", "topk_trace", "dtype", "kv_dtype"))
         return
     on_gpu = _kernel_device()
     if SPARSE_MLA_PATH_ENV in os.environ:
@@ -260,13 +266,15 @@ def bench(
     trials = default_trials(trials, on_gpu=on_gpu, torchrun=False)
     torch_dtype = torch.float16 if not on_gpu or dtype == DType.fp16 else torch.bfloat16
     device = torch.device("cuda" if on_gpu else "cpu")
+    kv_format = "fp8_ds_mla" if kv_dtype == KVDType.fp8 else None
     rows = []
     for sc in tqdm(scs, desc="scenarios", unit="scenario"):
-        rows.append(run_scenario(sc, dtype=torch_dtype, device=device, overlap=overlap, seed=seed, trials=trials, trace=trace))
+        rows.append(run_scenario(sc, dtype=torch_dtype, device=device, overlap=overlap, seed=seed, trials=trials, trace=trace,
+                                 kv_format=kv_format))
         if on_gpu:
             torch.cuda.empty_cache()
     meta = report.provenance(not on_gpu, trials)
-    meta.update(overlap=overlap if trace is None else f"trace {topk_trace}", dtype=str(torch_dtype))
+    meta.update(overlap=overlap if trace is None else f"trace {topk_trace}", dtype=str(torch_dtype), kv_format=kv_format)
     json_out = json_out or "out/bench.json"
     plot_out = "out/bench.png" if plot_out is None else plot_out
     report.write_json(json_out, meta, rows)
@@ -303,8 +311,9 @@ def report_cmd(
         raise typer.BadParameter(str(e), param_hint="JSON") from None
     kinds = sorted({r["pad64_baseline"] for r in rows if r.get("pad64_baseline")})
     baseline = f", pad-64 baseline {' / '.join(kinds)}" if kinds else ""
+    cache = f", kv cache {meta['kv_format']}" if meta.get("kv_format") else ""
     typer.echo(f"<!-- `sparse-mla report {json_file}`: {meta.get('gpu', '?')}, rev {meta.get('git_revision', '?')}, "
-               f"{meta.get('date', '?')}, {meta.get('dtype', '?')}, top-k {meta.get('overlap', '?')}{baseline} -->")
+               f"{meta.get('date', '?')}, {meta.get('dtype', '?')}{cache}, top-k {meta.get('overlap', '?')}{baseline} -->")
     if meta.get("timings_meaningful") is False:
         typer.echo("(Triton interpreter run: the times are not performance numbers)\n")
     typer.echo(markdown_table(rows))

@@ -9,17 +9,28 @@ per-token kernel on that device, through the backend selection point (``sparse_m
 Gluon kernel on Hopper, 0.73-0.78x of FlashMLA's speed per token; the Triton one elsewhere).
 ``pad64_baseline_kind`` says which, and the bench records it per scenario. Defined only for H < 64 (at
 64 heads and more nothing is padded).
+
+With an FP8 cache (``sparse-mla bench --kv-dtype fp8``) FlashMLA's sparse prefill cannot read it (bf16 only), so
+engines first dequantize the rows into a bf16 workspace: ``dequantize_windows`` does that for every request's
+window (the rows a step can select, as vLLM gathers them per request), with the indices remapped. The pad-64
+baseline then runs on that workspace (dequantization included in its time), and ``mqa_per_token_dequant``
+(``DEQUANT_NAME``) is the same at the real H heads: dequantize, then the bf16 per-token kernel the selection
+point picks (the Gluon one on Hopper), against the FP8 paths that dequantize in the kernel's gather.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from ..layer.config import PrefillStep, validate_dsa_prefill_args
+from ..kv_format import KV_FORMATS
+from ..layer.config import DSAPrefillProblem, PrefillStep, token_windows, validate_dsa_prefill_args
 from ..layer.dispatch import PATH_NAMES
-from ..layer.paths import SparseMQA, absorbed_mqa
+from ..layer.paths import SparseMQA, absorbed_mqa, window_rows
 
 PAD64_NAME = "mqa_per_token_pad64"
+DEQUANT_NAME = "mqa_per_token_dequant"  # FP8 cache runs only: dequantize the windows to bf16, then the bf16 kernel
 PAD_HEADS = 64  # FlashMLA's sparse prefill head minimum on Hopper
 PATH_COLUMNS = (*PATH_NAMES, PAD64_NAME)  # every path the benchmark times: the layer paths, then this baseline
 
@@ -33,19 +44,24 @@ def _flash_mla_module():
     return flash_mla if hasattr(flash_mla, "flash_mla_sparse_fwd") else None
 
 
-def pad64_baseline_kind(device: torch.device) -> str:
+def pad64_baseline_kind(device: torch.device, kv_format: str | None = None) -> str:
     """Which kernel the pad-64 baseline runs on ``device``: "flash_mla" (FlashMLA installed, Hopper GPU), or
-    "sparse_mla:<backend>" (this package's per-token kernel that the selection point picks for 64 heads)."""
+    "sparse_mla:<backend>" (this package's per-token kernel that the selection point picks for 64 heads); with
+    an FP8 ``kv_format``, prefixed "dequant+" (the windows are dequantized to bf16 first, ``dequantize_windows``)."""
+    prefix = "" if kv_format is None else "dequant+"
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and _flash_mla_module() is not None:
-        return "flash_mla"
+        return prefix + "flash_mla"
     from ..mqa.backends import gluon_sm90_device_applies
 
     ok, _ = gluon_sm90_device_applies(device, torch.bfloat16)
-    return "sparse_mla:gluon_sm90" if ok else "sparse_mla:triton"
+    return prefix + ("sparse_mla:gluon_sm90" if ok else "sparse_mla:triton")
 
 
-def _flash_mla_attention(q, kv_rows, indices, sm_scale, *, d_v, topk_length=None, **_):
-    """``sparse_mla_fwd``-shaped adapter over FlashMLA's call: kv [N, 1, D], indices [T, 1, K]; returns out."""
+def _flash_mla_attention(q, kv_rows, indices, sm_scale, *, d_v, topk_length=None, kv_format=None, **_):
+    """``sparse_mla_fwd``-shaped adapter over FlashMLA's call: kv [N, 1, D], indices [T, 1, K]; returns out.
+    bf16 / fp16 rows only (FlashMLA's sparse prefill): an FP8 cache is dequantized before (``dequantize_windows``)."""
+    if kv_format is not None:
+        raise ValueError(f"FlashMLA's sparse prefill takes bf16 rows, not kv_format={kv_format!r}: dequantize first")
     out, _max_logits, _lse = _flash_mla_module().flash_mla_sparse_fwd(
         q, kv_rows[:, None, :], indices[:, None, :], sm_scale, d_v=d_v, topk_length=topk_length)
     return out
@@ -66,7 +82,8 @@ def mqa_per_token_pad64(inputs: dict, out: torch.Tensor) -> torch.Tensor:
 
     Args:
         inputs: ``dsa_prefill`` keyword arguments (``sparse_mla.bench.inputs``): q_nope
-            [T, H, qk_nope] bf16/fp16, q_pe, kv, w_kv_b, indices [T, K] int32, lengths, sm_scale.
+            [T, H, qk_nope] bf16/fp16, q_pe, kv, w_kv_b, indices [T, K] int32, lengths, sm_scale (and
+            kv_format for an FP8 cache: then the windows are dequantized first, ``dequantize_windows``).
         out: o [T, H, v_head_dim] in q's dtype on q's device (written and returned).
 
     Raises:
@@ -77,8 +94,75 @@ def mqa_per_token_pad64(inputs: dict, out: torch.Tensor) -> torch.Tensor:
     ok, why = pad64_supports(p.step)
     if not ok:
         raise ValueError(f"{PAD64_NAME}: {why}")
+    if p.kv_format is not None:
+        p = dequantize_windows(p)
     attention = _flash_mla_attention if pad64_baseline_kind(p.q_nope.device) == "flash_mla" else None
     return absorbed_mqa(p, out, "per_token", q_heads=PAD_HEADS, attention=attention)
 
 
-__all__ = ["PAD64_NAME", "PAD_HEADS", "PATH_COLUMNS", "pad64_supports", "pad64_baseline_kind", "mqa_per_token_pad64"]
+def dequantize_windows(p: DSAPrefillProblem) -> DSAPrefillProblem:
+    """The same step on a workspace of plain rows in q's dtype: every request window's rows of the FP8 cache
+    dequantized (``FP8DSMLAFormat.dequantize``), packed request by request as ``layer.paths.window_rows`` lists them,
+    with each valid index moved to its row in the workspace (entries outside the token's window become -1,
+    which the layer semantics ignore anyway). What an engine does before a bf16-only kernel.
+
+    Args:
+        p: a validated problem with an FP8 ``kv_format``.
+
+    Returns:
+        a problem with kv_format None, kv rows [sum of windows, r + qk_rope] in q's dtype (a new buffer),
+        row_offsets = where each window starts in it, and remapped int32 indices.
+
+    Raises:
+        ValueError: p has no kv_format (nothing to dequantize).
+    """
+    if p.kv_format is None:
+        raise ValueError("dequantize_windows needs an FP8 cache (kv_format), got plain rows")
+    rows, starts = window_rows(p)
+    fmt = KV_FORMATS[p.kv_format]
+    if isinstance(rows, slice):
+        kv = fmt.dequantize(p.kv_rows[rows], p.q_nope.dtype)
+    else:
+        kv = fmt.dequantize(p.kv_rows, p.q_nope.dtype, rows=rows)
+    dev = p.q_nope.device
+    lo, win = token_windows(p.step.new_lens, p.step.cached_lens, p.row_offsets, dev)
+    start = torch.repeat_interleave(torch.tensor(starts, dtype=torch.int64), torch.tensor(p.step.new_lens)).to(dev)
+    inside = (p.indices >= lo[:, None]) & (p.indices < (lo + win)[:, None])
+    idx = torch.where(inside, p.indices - lo[:, None] + start[:, None], -1).to(torch.int32)
+    r = p.step.kv_lora_rank
+    step = dataclasses.replace(p.step, kv_format=None)
+    return dataclasses.replace(p, kv_c=kv[:, :r], k_pe=kv[:, r:], kv_rows=kv, indices=idx,
+                               row_offsets=tuple(starts), step=step, kv_format=None)
+
+
+def dequant_supports(step: PrefillStep) -> tuple[bool, str]:
+    """(ok, reason) of the dequantize-then-bf16 baseline: an FP8 cache and a step the per-token MQA path takes."""
+    if step.kv_format is None:
+        return False, "the cache is already in q's dtype: nothing to dequantize"
+    ok, why = SparseMQA("per_token").supports(step)
+    if not ok:
+        return False, why
+    return True, ("every window's rows dequantized to a bf16 workspace (torch), then the bf16 per-token kernel "
+                  "(what engines run before a bf16-only kernel)")
+
+
+def mqa_per_token_dequant(inputs: dict, out: torch.Tensor) -> torch.Tensor:
+    """The dequantize-then-bf16 baseline of one FP8-cache step (module docstring), written into ``out``.
+
+    Args:
+        inputs: ``dsa_prefill`` keyword arguments with ``kv`` an FP8 cache and ``kv_format`` set.
+        out: o [T, H, v_head_dim] in q's dtype on q's device (written and returned).
+
+    Raises:
+        ValueError: not an FP8 cache, or a step the per-token MQA path does not take (``dequant_supports``);
+            invalid inputs (``validate_dsa_prefill_args``).
+    """
+    p = validate_dsa_prefill_args(**inputs)
+    ok, why = dequant_supports(p.step)
+    if not ok:
+        raise ValueError(f"{DEQUANT_NAME}: {why}")
+    return absorbed_mqa(dequantize_windows(p), out, "per_token")
+
+
+__all__ = ["PAD64_NAME", "PAD_HEADS", "PATH_COLUMNS", "DEQUANT_NAME", "pad64_supports", "pad64_baseline_kind",
+           "mqa_per_token_pad64", "dequantize_windows", "dequant_supports", "mqa_per_token_dequant"]

@@ -52,8 +52,8 @@ def chunk_bounds(tokens: int, chunks: int = 3, size: int = 16) -> list[tuple[int
 def reference_chunks(inp: dict, bounds: list[tuple[int, int]]) -> list[Chunk]:
     """fp32 layer reference of each token range of a one-request point (``inputs`` dict). Uses the
     absorbed form where ``sparse_mla_ref`` takes the dims, else the MHA form."""
-    r = inp["kv"].shape[1] - (0 if inp["q_pe"] is None else inp["q_pe"].shape[2])
-    dr = inp["kv"].shape[1] - r
+    r = inp["w_kv_b"].shape[1]  # kv_lora_rank (not read off kv: an FP8 cache's rows are 656 bytes)
+    dr = 0 if inp["q_pe"] is None else inp["q_pe"].shape[2]
     form = "mqa" if r in MQA_KV_LORA_RANKS and dr in MQA_ROPE_DIMS else "mha"
     return [(lo, hi, dsa_prefill_ref(**sub_problem(inp, lo, hi), form=form)) for lo, hi in bounds]
 

@@ -14,10 +14,10 @@ import os
 import subprocess
 import sys
 
-from .baselines import PAD64_NAME, PATH_COLUMNS
+from .baselines import DEQUANT_NAME, PAD64_NAME, PATH_COLUMNS
 
 SHORT = {"dense_mha": "dense", "masked_mha": "masked", "mqa_grouped": "grouped", "mqa_per_token": "per_tok",
-         "mqa_per_token_pad64": "pad64"}
+         "mqa_per_token_pad64": "pad64", DEQUANT_NAME: "deq+bf16"}
 
 # What the row keys mean (copied into the JSON's meta, so the file explains itself).
 FIELD_NOTES = {
@@ -45,7 +45,19 @@ FIELD_NOTES = {
     "rel_err": "relative Frobenius error vs the fp32 layer reference dsa_prefill_ref on 3 chunks of <= 16 tokens (start, "
                "middle, end), out NaN-poisoned before the call; check_ok = rel_err < check_tol, the dtype's tolerance "
                "(sparse_mla.bench.check.CHECK_TOLERANCE: bf16 1e-2, fp16 2e-3)",
+    "kv_format": "meta.kv_format: None (the cache in the run's dtype) or fp8_ds_mla (--kv-dtype fp8: the cache quantized "
+                 "once with ue8m0 scales, every path on it; rel_err is then against the reference on the dequantized "
+                 "cache, rows and paths add rel_err_vs_bf16_cache / max_rel_err_vs_bf16_cache against the unquantized "
+                 "cache's, the pad64 baseline dequantizes the windows first, and mqa_per_token_dequant = dequantize the "
+                 "windows to bf16, then the bf16 per-token kernel)",
 }
+
+
+def path_columns(rows: list[dict]) -> tuple[str, ...]:
+    """The path columns of a table of ``rows``: ``PATH_COLUMNS``, plus ``DEQUANT_NAME`` when some row has it
+    (an FP8 cache run)."""
+    extra = (DEQUANT_NAME,) if any(DEQUANT_NAME in r.get("paths", {}) for r in rows) else ()
+    return (*PATH_COLUMNS, *extra)
 
 
 def git_revision() -> str:
@@ -105,7 +117,7 @@ def _err(v: float | None) -> str:
 
 
 def _path_ms(r: dict, name: str) -> str:
-    rec = r["paths"][name]
+    rec = r["paths"].get(name, {})
     if "error" in rec:
         return "ERR"
     return _ms(rec.get("ms")) + ("!" if rec.get("check_ok") is False else "")
@@ -123,12 +135,13 @@ def print_table(rows: list[dict], interpreted: bool, width: int | None = None) -
     title = "sparse-mla bench: ms per layer call" + (" [INTERPRETER: timings not meaningful]" if interpreted else "")
     table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 0), caption="chosen = dispatcher's choice; "
                   "vs pt / vs 64 = its speedup over mqa_per_token / over pad64 (q padded to 64 heads)")
-    for col in ("scenario", "H", "union", "chosen (ms)", *(SHORT[p] for p in PATH_COLUMNS), "vs pt", "vs 64", "max err"):
+    cols = path_columns(rows)
+    for col in ("scenario", "H", "union", "chosen (ms)", *(SHORT[p] for p in cols), "vs pt", "vs 64", "max err"):
         table.add_column(col, justify="left" if col == "scenario" else "right", no_wrap=True)
     for r in rows:
         table.add_row(
             r["scenario"], str(r["heads"]), _ratio(r["union_ratio"]),
-            f"{SHORT.get(r['chosen_path'], '-')} {_ms(r['chosen_ms'])}", *(_path_ms(r, p) for p in PATH_COLUMNS),
+            f"{SHORT.get(r['chosen_path'], '-')} {_ms(r['chosen_ms'])}", *(_path_ms(r, p) for p in cols),
             _x(r["chosen_speedup_vs_per_token"]), _x(r["chosen_speedup_vs_pad64"]), _err(r["max_rel_err"]),
         )
     Console(width=width or (None if sys.stdout.isatty() else 120)).print(table)
@@ -137,15 +150,19 @@ def print_table(rows: list[dict], interpreted: bool, width: int | None = None) -
 def markdown_table(rows: list[dict]) -> str:
     """The README table of a bench JSON's rows: ms per layer call (useful TFLOP/s of the chosen
     path), every path's ms, speedups of the chosen path, union figures, max rel err."""
+    cols = path_columns(rows)
+    fp8 = any("max_rel_err_vs_bf16_cache" in r for r in rows)
     head = ["scenario", "H", "union ratio (G)", "chosen path", "chosen ms (TFLOP/s)",
-            *(f"{p} ms" for p in PATH_COLUMNS), "chosen vs per_token", "chosen vs pad-64", "union build ms", "max rel err"]
+            *(f"{p} ms" for p in cols), "chosen vs per_token", "chosen vs pad-64", "union build ms", "max rel err",
+            *(["max rel err vs bf16 cache"] if fp8 else [])]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         tf = r.get("chosen_tflops")
         cells = [r["scenario"], str(r["heads"]), f"{_ratio(r['union_ratio'])} ({r['group_size']})", r["chosen_path"] or "-",
                  f"{_ms(r['chosen_ms'])} ({tf:.0f})" if tf is not None else "-",
-                 *(_path_ms(r, p) for p in PATH_COLUMNS), _x(r["chosen_speedup_vs_per_token"]),
-                 _x(r["chosen_speedup_vs_pad64"]), _ms(r["union_build"]["ms"]), _err(r["max_rel_err"])]
+                 *(_path_ms(r, p) for p in cols), _x(r["chosen_speedup_vs_per_token"]),
+                 _x(r["chosen_speedup_vs_pad64"]), _ms(r["union_build"]["ms"]), _err(r["max_rel_err"]),
+                 *([_err(r.get("max_rel_err_vs_bf16_cache"))] if fp8 else [])]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -192,17 +209,18 @@ def plot(path: str, rows: list[dict], interpreted: bool) -> dict:
 
     keys = list(dict.fromkeys((r["model"], r["tp"]) for r in rows))
     fig, axes = plt.subplots(1, max(len(keys), 1), figsize=(6 * max(len(keys), 1), 5.2), squeeze=False)
-    colors = {name: f"C{i}" for i, name in enumerate(PATH_COLUMNS)}
+    cols = path_columns(rows)
+    colors = {name: f"C{i}" for i, name in enumerate(cols)}
     drawn, legend = [], {}  # one legend for the figure, below the panels
     for ax, (model, tp) in zip(axes[0], keys):
         mine = [r for r in rows if r["model"] == model and r["tp"] == tp]
         pure = sorted((r for r in mine if r["cached"] == 0), key=lambda r: r["new"])
         if len(pure) >= 2:
-            for name in PATH_COLUMNS:
-                xy = [(r["new"], r["paths"][name]["ms"]) for r in pure if "ms" in r["paths"][name]]
+            for name in cols:
+                xy = [(r["new"], r["paths"][name]["ms"]) for r in pure if "ms" in r["paths"].get(name, {})]
                 if xy:
                     ax.plot(*zip(*xy), marker="o", color=colors[name],
-                            linestyle="--" if name == PAD64_NAME else "-", label=name)
+                            linestyle="--" if name in (PAD64_NAME, DEQUANT_NAME) else "-", label=name)
             chosen = [(r["new"], r["chosen_ms"]) for r in pure if r.get("chosen_ms") is not None]
             if chosen:
                 ax.scatter(*zip(*chosen), s=160, facecolors="none", edgecolors="black", linewidths=1.8, zorder=5,
@@ -213,11 +231,11 @@ def plot(path: str, rows: list[dict], interpreted: bool) -> dict:
                           "chosen": [r.get("chosen_path") for r in pure]})
         else:
             labels = [f"{r['cached']}+{r['new']}" if r["cached"] else str(r["new"]) for r in mine]
-            names = [n for n in PATH_COLUMNS if any("ms" in r["paths"][n] for r in mine)]
+            names = [n for n in cols if any("ms" in r["paths"].get(n, {}) for r in mine)]
             width = 0.8 / max(len(names), 1)
             for j, name in enumerate(names):
                 for i, r in enumerate(mine):
-                    rec = r["paths"][name]
+                    rec = r["paths"].get(name, {})
                     if "ms" not in rec:
                         continue
                     is_chosen = name == r.get("chosen_path")
@@ -253,4 +271,4 @@ def plot(path: str, rows: list[dict], interpreted: bool) -> dict:
 
 
 __all__ = ["git_revision", "provenance", "print_table", "markdown_table", "write_json", "bench_rows", "is_shardq_json", "plot",
-           "FIELD_NOTES", "SHORT"]
+           "FIELD_NOTES", "SHORT", "path_columns"]

@@ -15,6 +15,13 @@ heads per rank), on the same inputs (``sparse_mla.bench.inputs``):
   measured time of that path above (not a separate run).
 * the union ratio and union build time of the grouped kernel (``union_stats``).
 
+FP8 cache (``kv_format="fp8_ds_mla"``, ``sparse-mla bench --kv-dtype fp8``): the scenario's cache is quantized
+once (``FP8_DS_MLA.quantize``, ue8m0 scales) and every path runs on it; each path's ``rel_err`` is against the
+fp32 reference on the dequantized cache (its check), ``rel_err_vs_bf16_cache`` against the reference on the
+unquantized cache (the quantization's own effect, informational); the pad-64 baseline dequantizes the windows
+first (FlashMLA's sparse prefill is bf16-only) and ``mqa_per_token_dequant`` (dequantize, then the bf16 per-token
+kernel at H heads) joins the paths. Without the flag, rows and paths are as before.
+
 Useful work (TFLOP/s): ``sparse_mla.layer.dispatch.sparse_work`` = 2 H (kv_lora + qk_rope +
 kv_lora) sum over queries of min(topk, window), the same for every path, so a higher figure is a
 faster path. ``floor_ms``: that work at 790 TFLOP/s or the per-token gather of those latent rows
@@ -30,11 +37,20 @@ import torch
 from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
+from ..kv_format import KV_FORMATS, check_kv_format
 from ..layer import dsa_prefill, explain
 from ..layer.config import causal_sums
 from ..layer.dispatch import PATH_NAMES, PATHS, sparse_work, work_ratio
 from ..workloads.traces import TopkTrace
-from .baselines import PAD64_NAME, mqa_per_token_pad64, pad64_baseline_kind, pad64_supports
+from .baselines import (
+    DEQUANT_NAME,
+    PAD64_NAME,
+    dequant_supports,
+    mqa_per_token_dequant,
+    mqa_per_token_pad64,
+    pad64_baseline_kind,
+    pad64_supports,
+)
 from .check import CHECK_TOLERANCE, check_tolerance, chunk_bounds, max_rel_err, reference_chunks
 from .inputs import layer_step, make_inputs, trace_inputs
 from .scenarios import Scenario
@@ -46,18 +62,21 @@ PEAK_FLOPS = 790e12  # H200 dense bf16 tensor-core FLOP/s
 PEAK_BYTES = 4.3e12  # H200 HBM bytes/s (sustained)
 
 
-def floor_ms(step, elem_bytes: int) -> float:
+def floor_ms(step, elem_bytes: int, row_bytes: int | None = None) -> float:
     """Roofline of the per-token sparse path in ms: max(sparse_work / PEAK_FLOPS, gathered latent
-    bytes / PEAK_BYTES), gathered bytes = sum(min(topk, window)) * (kv_lora + qk_rope) * elem_bytes."""
+    bytes / PEAK_BYTES), gathered bytes = sum(min(topk, window)) * (kv_lora + qk_rope) * elem_bytes, or
+    ``row_bytes`` per gathered row when given (an FP8 cache: 656)."""
     keys = sum(causal_sums(c, n, step.topk) for c, n in zip(step.cached_lens, step.new_lens))
-    return max(sparse_work(step) / PEAK_FLOPS, keys * step.latent_d_qk * elem_bytes / PEAK_BYTES) * 1e3
+    per_row = row_bytes if row_bytes is not None else step.latent_d_qk * elem_bytes
+    return max(sparse_work(step) / PEAK_FLOPS, keys * per_row / PEAK_BYTES) * 1e3
 
 
 def _measure(fn: Callable[[], object], support: tuple[bool, str], out: torch.Tensor, refs: list, *, useful: int,
-             on_gpu: bool, trials: int, tol: float) -> dict:
+             on_gpu: bool, trials: int, tol: float, refs_bf16: list | None = None) -> dict:
     """Check then time one path: {"supported", "reason"} plus, when supported, "rel_err",
     "check_ok", the ``time_trials`` keys and "tflops", or "error" if the path raised a
-    RuntimeError (out of memory, a CUDA error); any other exception is a bug and propagates."""
+    RuntimeError (out of memory, a CUDA error); any other exception is a bug and propagates.
+    ``refs_bf16`` (FP8 cache runs): also "rel_err_vs_bf16_cache", against the unquantized cache's reference."""
     ok, why = support
     rec: dict = {"supported": ok, "reason": why}
     if not ok:
@@ -67,6 +86,8 @@ def _measure(fn: Callable[[], object], support: tuple[bool, str], out: torch.Ten
         fn()
         err = max_rel_err(out, refs)
         rec.update(rel_err=err, check_ok=bool(err < tol))  # NaN fails
+        if refs_bf16 is not None:
+            rec["rel_err_vs_bf16_cache"] = max_rel_err(out, refs_bf16)
         rec.update(time_trials(fn, on_gpu=on_gpu, trials=trials))
         rec["tflops"] = useful / (rec["ms"] * 1e-3) / 1e12
     except (RuntimeError, OutOfResources, CompilationError) as e:
@@ -91,7 +112,8 @@ def best_path(paths: dict[str, dict]) -> str | None:
 
 
 def run_scenario(sc: Scenario, *, dtype: torch.dtype, device: torch.device, overlap: str = "mid", seed: int = 0,
-                 trials: int = 1, trace: TopkTrace | None = None, tol: float | None = None) -> dict:
+                 trials: int = 1, trace: TopkTrace | None = None, tol: float | None = None,
+                 kv_format: str | None = None) -> dict:
     """Check and time every layer path of one scenario (module docstring).
 
     Args:
@@ -103,13 +125,17 @@ def run_scenario(sc: Scenario, *, dtype: torch.dtype, device: torch.device, over
         trace: an engine's top-k lists (topk [T, K], valid [T] int32) instead of synthetic ones.
         tol: rel_err at or above which a path's check fails; default the dtype's
             (``check.CHECK_TOLERANCE``: 1e-2 bf16, 2e-3 fp16).
+        kv_format: None (the cache in ``dtype``) or "fp8_ds_mla": the cache quantized once, every path on it
+            (module docstring); the row then also has "kv_format" and "max_rel_err_vs_bf16_cache", and its
+            paths "mqa_per_token_dequant" and each "rel_err_vs_bf16_cache".
 
     Returns:
         JSON-ready dict (times in ms, rates in TFLOP/s; keys described in ``report.FIELD_NOTES``), with
         "failures": the paths whose check failed or that raised.
 
     Raises:
-        ValueError: trials is not an int >= 1, or tol is not a finite float > 0 (before any kernel runs).
+        ValueError: trials is not an int >= 1, or tol is not a finite float > 0, an unknown kv_format (before
+            any kernel runs).
     """
     if not isinstance(trials, int) or isinstance(trials, bool) or trials < 1:
         raise ValueError(f"trials must be an int >= 1, got {trials!r}")
@@ -117,11 +143,16 @@ def run_scenario(sc: Scenario, *, dtype: torch.dtype, device: torch.device, over
         tol = check_tolerance(dtype)
     if not isinstance(tol, (int, float)) or isinstance(tol, bool) or not 0 < tol < math.inf:
         raise ValueError(f"tol must be a finite number > 0, got {tol!r}")
+    check_kv_format(kv_format)
     on_gpu = device.type == "cuda"
     if trace is None:
         inputs = make_inputs(sc.model, sc.cached, sc.new, sc.topk, sc.heads, overlap, seed, device, dtype)
     else:
         inputs = trace_inputs(sc.model, trace.topk, trace.valid, sc.heads, seed, device, dtype)
+    plain_inputs = None
+    if kv_format is not None:  # quantize the cache once; every path (and the reference) reads that
+        plain_inputs = inputs
+        inputs = {**inputs, "kv": KV_FORMATS[kv_format].quantize(inputs["kv"]), "kv_format": kv_format}
     step = layer_step(inputs)
     supports = {name: PATHS[name].supports(step) for name in PATH_NAMES}
     try:
@@ -131,6 +162,7 @@ def run_scenario(sc: Scenario, *, dtype: torch.dtype, device: torch.device, over
         chosen_name, chosen_reason = None, str(e)
     T, H = step.num_tokens, step.num_heads
     refs = reference_chunks(inputs, chunk_bounds(T))
+    refs_bf16 = None if plain_inputs is None else reference_chunks(plain_inputs, chunk_bounds(T))
     out = torch.empty(T, H, step.v_head_dim, dtype=dtype, device=device)
     useful = sparse_work(step)
 
@@ -139,7 +171,10 @@ def run_scenario(sc: Scenario, *, dtype: torch.dtype, device: torch.device, over
 
     runs = {name: (supports[name], forced(name)) for name in PATH_NAMES}
     runs[PAD64_NAME] = (pad64_supports(step), lambda: mqa_per_token_pad64(inputs, out))
-    paths = {name: _measure(fn, support, out, refs, useful=useful, on_gpu=on_gpu, trials=trials, tol=tol)
+    if kv_format is not None:
+        runs[DEQUANT_NAME] = (dequant_supports(step), lambda: mqa_per_token_dequant(inputs, out))
+    paths = {name: _measure(fn, support, out, refs, useful=useful, on_gpu=on_gpu, trials=trials, tol=tol,
+                            refs_bf16=refs_bf16)
              for name, (support, fn) in runs.items()}
     pt, pad = paths.get("mqa_per_token"), paths.get(PAD64_NAME)
     for rec in paths.values():
@@ -152,23 +187,30 @@ def run_scenario(sc: Scenario, *, dtype: torch.dtype, device: torch.device, over
     failures = [f"{name}: {rec['error']}" if "error" in rec else f"{name}: rel_err {rec['rel_err']:.2e} >= {tol}"
                 for name, rec in paths.items() if "error" in rec or rec.get("check_ok") is False]
     m = sc.model
+    fp8_fields = {}
+    if kv_format is not None:
+        e16 = [rec["rel_err_vs_bf16_cache"] for rec in paths.values() if "rel_err_vs_bf16_cache" in rec]
+        fp8_fields = {"kv_format": kv_format,
+                      "max_rel_err_vs_bf16_cache": max(e16) if e16 and all(e == e for e in e16) else float("nan")}
     return {
         "scenario": sc.name, "model": m.name, "tp": sc.tp, "heads": H,
         "dims": {"kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
                  "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim},
         "cached": step.cached_lens[0], "new": T, "topk": step.topk, "kv_rows": inputs["kv"].shape[0],
         "useful_tflop": useful / 1e12, "work_ratio": work_ratio(step),
-        "floor_ms": floor_ms(step, torch.empty((), dtype=dtype).element_size()),
+        "floor_ms": floor_ms(step, torch.empty((), dtype=dtype).element_size(),
+                             None if kv_format is None else KV_FORMATS[kv_format].row_bytes),
         "group_size": union["group_size"], "union_ratio": union["union_ratio"], "union_build": union["union_build"],
         "union_backend": union["union_backend"],
         "chosen_path": chosen_name, "chosen_reason": chosen_reason,
         "chosen_ms": chosen.get("ms"), "chosen_tflops": chosen.get("tflops"),
         "chosen_speedup_vs_per_token": chosen.get("speedup_vs_per_token"),
         "chosen_speedup_vs_pad64": chosen.get("speedup_vs_pad64"),
-        "pad64_baseline": pad64_baseline_kind(device),
+        "pad64_baseline": pad64_baseline_kind(device, kv_format),
         "best_path": best_path(paths),
         "max_rel_err": max(errs) if errs and all(e == e for e in errs) else float("nan"),
         "check_tol": tol,
+        **fp8_fields,
         "failures": failures,
         "paths": paths,
     }
