@@ -48,11 +48,13 @@ def bench_json(tmp_path_factory):
 def test_bench_json_paths(bench_json):
     data = json.loads(bench_json.read_text())
     assert data["meta"]["timings_meaningful"] is False and data["meta"]["trials"] == 2
+    assert data["meta"]["kv_format"] is None  # the default run: the cache in the run's dtype, no FP8 fields below
     assert "p20_ms" in data["meta"]["fields"]["paths"] and "best_path" in data["meta"]["fields"]
     rows = data["results"]
     assert [r["scenario"] for r in rows] == list(SCENARIOS)
     for r in rows:
         assert set(r["paths"]) == set(PATH_COLUMNS)
+        assert "kv_format" not in r and all("rel_err_vs_bf16_cache" not in rec for rec in r["paths"].values())
         assert r["failures"] == []
         for name, rec in r["paths"].items():
             assert rec["reason"], name

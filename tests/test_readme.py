@@ -24,10 +24,10 @@ def use_blocks() -> list[str]:
 
 def test_use_section_has_the_documented_blocks():
     blocks = use_blocks()
-    assert len(blocks) == 4, [b.splitlines()[0] for b in blocks]
+    assert len(blocks) == 5, [b.splitlines()[0] for b in blocks]
     joined = "\n".join(blocks)
     for call in ("sparse_mla_fwd(", "sparse_mla_ref(", "flash_mla_sparse_fwd(", "convert_req_index_to_global(",
-                 "dsa_prefill(", "explain("):
+                 "dsa_prefill(", "explain(", 'kv_format="fp8_ds_mla"'):
         assert call in joined, call
 
 
@@ -42,4 +42,7 @@ def test_use_section_runs_as_written(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     err = float(re.search(r"relative error (\S+)", res.stdout).group(1))
     assert err < 1e-2, res.stdout
+    err8, err8_bf16 = (float(v) for v in re.search(r"fp8 cache: error (\S+) against its reference, (\S+) against",
+                                                    res.stdout).groups())
+    assert err8 < 1e-2 < err8_bf16 < 0.1, res.stdout  # the kernel's error, then the cache's quantization (~3e-2)
     assert "path: " in res.stdout and "mqa_per_token: yes" in res.stdout, res.stdout
