@@ -17,6 +17,7 @@ from .mqa import backends as mqa_backends
 from .mqa.triton_tl import D_V
 from .selection import overlap_guard_ratio, resolve_method
 from .union import backends as union_backends
+from .union import probe as union_probe
 from .union.triton_tl import MAX_GROUP_SIZE, plan_groups
 from .validation import (
     require_kernel_tensor,
@@ -189,12 +190,14 @@ def check_sink_and_max_logits(attn_sink: torch.Tensor | None, max_logits: torch.
 
 def _grouped_forward(p, G: int, ws: SparseMLAWorkspace, out: torch.Tensor, lse: torch.Tensor | None,
                      guard: float | None, extras: dict) -> None:
-    """Plan groups, build unions, run the grouped kernel, then the per-token kernel on the rest."""
+    """Plan groups, probe their overlap (``sparse_mla.union.probe``: a step whose probed groups would all
+    fall back skips the build), build unions, run the grouped kernel, then the per-token kernel on the rest."""
     T = p.num_tokens
     n_groups = ws.max_groups if p.cu_seqlens_q is not None else -(-T // G)
     gs, gl, ul = ws.group_start[:n_groups], ws.group_len[:n_groups], ws.union_len[:n_groups]
     route = ws.route[:T]
     plan_groups(T, G, p.cu_seqlens_q, gs, gl, route)
+    union_probe.probe_and_skip(p.indices, p.topk_length, p.num_kv_rows, G, gs, gl, route, ws, guard)
     union_backends.build_union(p.indices, p.topk_length, p.num_kv_rows, G, gs, gl, route, ws, ws.union_rows,
                                ws.union_bits, ul, guard_ratio=guard)
     mqa_backends.grouped(p.q, p.kv, p.sm_scale, G, ws.union_rows, ws.union_bits, ul, gs, gl, out, lse, **extras)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from .union import probe as union_probe
 from .union.triton_tl import MAX_GROUP_SIZE, hash_table_slots
 
 
@@ -42,7 +43,8 @@ class SparseMLAWorkspace:
     ``route`` [max_tokens] int8; ``union_rows``, ``union_bits`` [max_groups, G * K] int32; the
     Triton union builder's hash tables ``union_tables`` (-1) and ``union_table_bits`` (0), [P, 2 * G_P * K_P]
     int32 for P persistent programs (the CUDA builder keeps its tables in shared memory and needs no
-    buffer of its own). About ``max_tokens * K * 8`` bytes plus P * 256 KiB at G = 8,
+    buffer of its own); the overlap probe's scratch (``probe_*``, ``sparse_mla.union.probe``).
+    About ``max_tokens * K * 8`` bytes plus P * 256 KiB at G = 8,
     topk 2048 (0.27 GiB + 66 MiB for 16K tokens on an H200).
     """
 
@@ -70,6 +72,14 @@ class SparseMLAWorkspace:
         slots = hash_table_slots(G, K)
         self.union_tables = torch.full((n_tables, slots), -1, dtype=torch.int32, device=dev)
         self.union_table_bits = torch.zeros((n_tables, slots), dtype=torch.int32, device=dev)
+        # the overlap probe's scratch (sparse_mla.union.probe): every PROBE_STRIDE-th group, a route copy, the decision
+        n_probe = triton.cdiv(self.max_groups, union_probe.PROBE_STRIDE)
+        self.probe_group_start = torch.zeros(n_probe, dtype=torch.int32, device=dev)
+        self.probe_len_before = torch.zeros(n_probe, dtype=torch.int32, device=dev)
+        self.probe_group_len = torch.zeros(n_probe, dtype=torch.int32, device=dev)
+        self.probe_union_len = torch.zeros(n_probe, dtype=torch.int32, device=dev)
+        self.probe_route = torch.zeros(self.max_tokens, dtype=torch.int8, device=dev)
+        self.probe_skip = torch.zeros(1, dtype=torch.int32, device=dev)
 
     @classmethod
     def for_problem(cls, num_tokens: int, topk: int, num_heads: int, num_kv_rows: int,
@@ -92,4 +102,5 @@ class SparseMLAWorkspace:
         """Device bytes held."""
         return sum(t.numel() * t.element_size() for t in (
             self.group_start, self.group_len, self.union_len, self.route, self.union_rows, self.union_bits,
-            self.union_tables, self.union_table_bits))
+            self.union_tables, self.union_table_bits, self.probe_group_start, self.probe_len_before,
+            self.probe_group_len, self.probe_union_len, self.probe_route, self.probe_skip))

@@ -65,14 +65,15 @@ def _workspace_template(max_tokens: int, topk: int, group_size: int, key64: bool
 def _workspace_from_buffers(bufs: list[Tensor], topk: int, group_size: int):
     """Rebuild a ``SparseMLAWorkspace`` around the buffers of ``workspace_buffers(ws)`` (no allocation).
 
-    The geometry comes from the arguments (topk, group_size) and the one int8 buffer (route,
-    [max_tokens]); every buffer is then checked against a meta-device workspace of that geometry.
+    The geometry comes from the arguments (topk, group_size) and the 1-D int8 buffers (route and
+    probe_route, [max_tokens] each); every buffer is then checked against a meta-device workspace of
+    that geometry.
 
     Raises:
         ValueError: buffers that are not those of a workspace for this topk and group size.
     """
     route = [t for t in bufs if t.dtype == torch.int8 and t.dim() == 1]
-    if len(route) != 1:
+    if not route or any(t.shape != route[0].shape for t in route):
         raise ValueError(f"workspace must be [] or workspace_buffers(ws) of a SparseMLAWorkspace, got {len(bufs)} tensors")
     problems = []
     for key64 in (False, True):

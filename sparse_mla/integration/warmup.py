@@ -8,7 +8,8 @@ variant once on small inputs, through the public entry points (so it follows ker
 
 * ``sparse_mla_fwd`` per token, and grouped in both layouts (within requests with
   ``cu_seqlens_q``, token-major without), each with and without lse and topk_length: the
-  attention kernel (per-token, per-token with a route, grouped), the union builder, the planner;
+  attention kernel (per-token, per-token with a route, grouped), the union builder, the planner,
+  the overlap probe (``sparse_mla.union.probe``, where a step plans enough groups);
 * the grouped calls at one representative of every class of the integers that change from step
   to step: the token count T, the group count (the workspace's, or ceil(T / G)), the request
   count B and its power-of-two block (``step_shape_reps``), up to ``max_tokens`` / ``max_requests``;
@@ -38,6 +39,7 @@ from ..mqa import triton_tl as sparse_mqa
 from ..mqa.backends import GLUON_FEW_HEADS_MAX_TOKENS
 from ..union import backends as union_backends
 from ..union import cuda_smem as union_cuda_smem
+from ..union import probe as union_probe
 from ..union import triton_tl as union
 from ..union.triton_tl import MAX_GROUP_SIZE
 from ..validation import KERNEL_DTYPES, SUPPORTED_D_QK, flatten_kv
@@ -53,6 +55,7 @@ def warmed_kernels() -> dict[str, object]:
         "sparse_mqa": sparse_mqa._sparse_mqa_fwd_kernel,
         "plan_groups": union._plan_groups_kernel,
         "build_union": union._build_union_kernel,
+        "union_probe": union_probe._probe_decide_apply_kernel,
         "convert_req_index": index_convert._convert_req_index_kernel,
     }
     if gluon_sm90.GLUON_IMPORT_ERROR is None:
