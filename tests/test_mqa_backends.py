@@ -111,4 +111,9 @@ def test_explain_names_the_attention_backend(monkeypatch):
 
     monkeypatch.delenv(backends.ENV_VAR, raising=False)
     text = str(explain(PrefillStep(16, 512, 128, 64, 128, 2048, (4096,), (4096,))))
-    assert "attention backend: triton (gluon_sm90 does not apply:" in text
+    line = backends.describe_for_device(num_heads=16, num_tokens=4096)  # this machine's answer
+    assert line in text
+    if not torch.cuda.is_available():  # CPU: the interpreter runs the Triton kernel, and explain says why
+        assert "attention backend: triton (gluon_sm90 does not apply:" in text
+    else:
+        assert line.startswith("attention backend: ")

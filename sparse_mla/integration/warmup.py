@@ -251,7 +251,8 @@ def warmup(
     reps = step_shape_reps(G, cap, max_requests, workspace.max_groups if workspace is not None else None)
     # per-token launches: a short step, and one past the token count above which few-head steps switch from
     # the Gluon to the Triton kernel (sparse_mla.mqa.backends), so that both are compiled
-    per_token_T = sorted({min(2, cap)} | ({GLUON_FEW_HEADS_MAX_TOKENS + 1} if cap > GLUON_FEW_HEADS_MAX_TOKENS else set()))
+    big = {t for t in (GLUON_FEW_HEADS_MAX_TOKENS + 1, GLUON_FEW_HEADS_MAX_TOKENS + 16) if t <= cap}  # both 16-classes
+    per_token_T = sorted({min(2, cap)} | big)
     t_big = max([T for T, _ in reps] + per_token_T)
     n_small = kv.shape[0]
     q_all = torch.randn(t_big, num_heads, d_qk, generator=gen).to(dtype).to(device)
@@ -272,6 +273,8 @@ def warmup(
             sparse_mla_fwd(q_all[:T], kv, idx_all[:T], scale, method="per_token", return_lse=with_lse,
                            kv_format=kv_format, **extras(T, with_tl, with_sink, with_ml))
             calls += 1
+    # grouped steps past that token count too: their per-token pass (route) switches kernel the same way
+    reps = reps + [(T, None) for T in per_token_T if T > GLUON_FEW_HEADS_MAX_TOKENS]
     for T, B in reps:
         cu = None
         if B is not None:
