@@ -30,7 +30,9 @@ Quantization (``FP8DSMLAFormat.quantize``, the torch reference of what an engine
 
 so |kv_c - dequantized| <= scale * 2**-4 per value (half an E4M3 step at the tile's largest binade;
 relative 2**-4 of the tile's amax at most, less in the fp32 form). A tile holding a NaN or an inf has a
-non-finite scale and dequantizes to NaN everywhere.
+non-finite scale here (as in FlashMLA's quantizer) and dequantizes to NaN everywhere. vLLM's writer differs on a
+NaN: its fmaxf amax skips it, so the tile keeps a finite scale and the NaN value alone gets the E4M3 NaN code
+(dequantized: NaN at that value only).
 
 The storage tensor may be uint8 (vLLM) or float8_e4m3fn (FlashMLA's tests); shapes [N, 656], paged
 [num_blocks, block_size, 656], or FlashMLA's [num_blocks, block_size, 1, 656]. Each row must start on a

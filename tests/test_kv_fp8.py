@@ -380,7 +380,9 @@ def test_nonfinite_scale_reaches_only_the_selecting_query_and_check_names_it():
 def test_interpreter_and_hardware_convert_every_finite_e4m3_code():
     """The kernels convert fp8 with Triton's float8e4nv cast (hardware cvt on sm_89+). Every one of the 254 finite
     codes converts exactly, here too; the two NaN codes give NaN on a GPU, but +-480 under the Triton 3.x
-    interpreter (a known interpreter deviation: only a NaN cache byte, which no quantizer writes, sees it)."""
+    interpreter (a known interpreter deviation: only a NaN cache byte sees it, which vLLM's writer stores for a
+    NaN latent value under a finite tile scale; FlashMLA's quantizer and FP8_DS_MLA.quantize give the tile a NaN
+    scale instead)."""
     import triton
     import triton.language as tl
 

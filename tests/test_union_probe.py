@@ -104,3 +104,19 @@ def test_no_probe_on_small_steps_or_without_guard(small_probe, monkeypatch):
     run_grouped(p, ws)
     assert int(ws.probe_skip[0]) == -1
     assert probe.probe_groups(8) == 0 and probe.probe_groups(9) == 5
+
+
+def test_short_step_in_a_large_workspace_needs_enough_live_probed_groups(small_probe):
+    """With cu_seqlens_q the probe runs over the workspace's slots; a short step has few live probed groups. Here
+    only group 0 (disjoint lists) of the two is probed: one guarded group must not send the step per token, so
+    the per-group guard decides (group 0 per token, group 1 grouped)."""
+    T = 16
+    g = torch.Generator().manual_seed(6)
+    idx = torch.cat([disjoint_rows(8, seed=6), 2048 + neighbour_rows(8, K, 1024, keep=0.9, generator=g)])
+    p = make_problem(T, H, K, N, indices=idx, seed=6)
+    ws = SparseMLAWorkspace.for_problem(64, K, H, N, DEVICE)  # 8 group slots, probed 0, 2, 4, 6
+    run_grouped(p, ws, cu_seqlens_q=cu_seqlens([T]))
+    assert int(ws.probe_skip[0]) == 0, "one live probed group is too few to skip the step"
+    assert ws.group_len[:2].tolist() == [0, 8]
+    assert ws.route[:T].tolist() == [1] * 8 + [0] * 8
+    assert probe.probe_min_live() == 2  # PROBE_MIN_GROUPS // PROBE_STRIDE under the fixture

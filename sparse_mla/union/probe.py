@@ -12,7 +12,11 @@ group. Results stay exact either way: grouped and per-token compute the same def
 which kernel computes a token changes (as with the per-group guard).
 
 Steps with fewer than ``PROBE_MIN_GROUPS`` planned groups are not probed (their build is one
-short wave). Semantics: ``sparse_mla.interface.sparse_mla_fwd`` (method="grouped").
+short wave). With ``cu_seqlens_q`` the planned slots are the workspace's (``max_groups``, most of them
+empty in a short step), so the decision also needs ``PROBE_MIN_GROUPS // PROBE_STRIDE`` non-empty probed
+groups (``probe_min_live``), as a token-major step of ``PROBE_MIN_GROUPS`` groups has: a short step under a
+large workspace is not sent per token on the word of one group.
+Semantics: ``sparse_mla.interface.sparse_mla_fwd`` (method="grouped").
 """
 
 from __future__ import annotations
@@ -32,11 +36,17 @@ def probe_groups(max_groups: int) -> int:
     return 0 if max_groups < PROBE_MIN_GROUPS else -(-max_groups // PROBE_STRIDE)
 
 
-@triton.jit(do_not_specialize=["n_probe", "n_groups", "n_tokens"])
+def probe_min_live() -> int:
+    """Non-empty probed groups a skip needs: as many as a token-major step of ``PROBE_MIN_GROUPS`` groups probes."""
+    return max(1, PROBE_MIN_GROUPS // PROBE_STRIDE)
+
+
+@triton.jit(do_not_specialize=["n_probe", "n_groups", "n_tokens", "min_live"])
 def _probe_decide_apply_kernel(len_before_ptr, len_after_ptr, n_probe, group_len_ptr, n_groups, route_ptr,
-                               n_tokens, skip_ptr, skip_fraction, BLOCK: tl.constexpr):
+                               n_tokens, skip_ptr, skip_fraction, min_live, BLOCK: tl.constexpr):
     """One program: the share of probed non-empty groups that the guard emptied; at or above
-    ``skip_fraction``, group_len[:] = 0 and route[:] = 1. skip_ptr[0] records the decision (0 / 1)."""
+    ``skip_fraction``, with at least ``min_live`` non-empty probed groups, group_len[:] = 0 and route[:] = 1.
+    skip_ptr[0] records the decision (0 / 1)."""
     offs = tl.arange(0, BLOCK)
     n_live = 0
     n_guarded = 0
@@ -46,7 +56,7 @@ def _probe_decide_apply_kernel(len_before_ptr, len_after_ptr, n_probe, group_len
         after = tl.load(len_after_ptr + i0 + offs, mask=m, other=0)
         n_live += tl.sum((before > 0).to(tl.int32), axis=0)
         n_guarded += tl.sum(((before > 0) & (after == 0)).to(tl.int32), axis=0)
-    skip = (n_live > 0) & (n_guarded.to(tl.float32) >= skip_fraction * n_live.to(tl.float32))
+    skip = (n_live >= tl.maximum(min_live, 1)) & (n_guarded.to(tl.float32) >= skip_fraction * n_live.to(tl.float32))
     tl.store(skip_ptr, skip.to(tl.int32))
     if skip:
         for g0 in range(0, n_groups, BLOCK):
@@ -79,8 +89,8 @@ def probe_and_skip(indices, topk_length, num_kv_rows: int, group_size: int, grou
     union_backends.build_union(indices, topk_length, num_kv_rows, group_size, p_start, p_len, p_route, ws,
                                ws.union_rows, ws.union_bits, ws.probe_union_len[:k], guard_ratio=guard_ratio)
     _probe_decide_apply_kernel[(1, )](p_before, p_len, k, group_len, n_groups, route, T, ws.probe_skip,
-                                      PROBE_SKIP_FRACTION, BLOCK=1024)
+                                      PROBE_SKIP_FRACTION, probe_min_live(), BLOCK=1024)
     return True
 
 
-__all__ = ["PROBE_MIN_GROUPS", "PROBE_SKIP_FRACTION", "PROBE_STRIDE", "probe_and_skip", "probe_groups"]
+__all__ = ["PROBE_MIN_GROUPS", "PROBE_SKIP_FRACTION", "PROBE_STRIDE", "probe_and_skip", "probe_groups", "probe_min_live"]
