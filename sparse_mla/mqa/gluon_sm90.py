@@ -203,22 +203,10 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def _producer(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, n_tiles, ring_v, ring_r, ready, empty,
                   HAS_PE: gl.constexpr, STAGES: gl.constexpr):
-        """Gather kv tiles [64, D_qk] of list ``gid`` into the ring with 16-byte cp.async."""
-        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-        cv = gl.arange(0, _DV, layout=gl.SliceLayout(0, blk))
-        cr = gl.arange(0, _DPE, layout=gl.SliceLayout(0, blk))
+        """Gather kv tiles [64, D_qk] of list ``gid`` into the ring with 16-byte cp.async (one list per CTA)."""
         for j in range(n_tiles):
-            st = j % STAGES
-            idx = _tile_rows(rows_ptr, row_stride, gid, n_rows, j)  # issued before the wait: latency hidden
-            ok = (idx >= 0) & (idx < N)
-            base = kv_ptr + gl.where(ok, idx, 0).to(gl.int64)[:, None] * stride_kvn
-            mbarrier.wait(empty.index(st), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
-            # one copy op per buffer (copies into slices of one buffer get a bar.sync between them)
-            async_copy.async_copy_global_to_shared(ring_v.index(st), base + cv[None, :], mask=ok[:, None])
-            if HAS_PE:
-                async_copy.async_copy_global_to_shared(ring_r.index(st), base + _DV + cr[None, :], mask=ok[:, None])
-            # every producer thread arrives (no count increment) once its own copies have landed
-            async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
+            _gather_tile(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, j, ring_v, ring_r, ready, empty,
+                         HAS_PE, STAGES)
 
     @gluon.jit
     def _epilogue_stats(l_i, m_i, hh, row_ok, tok, lse_ptr, stride_lt, has_lse, sink_ptr, maxl_ptr, stride_mt,
