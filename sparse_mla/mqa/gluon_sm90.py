@@ -118,21 +118,7 @@ if GLUON_IMPORT_ERROR is None:
                 HAS_PE: gl.constexpr):
         """Q tile [64, D_qk] into shared memory: pseudo-head rows gathered with cp.async (rows past the real ones
         zero-filled), waited and fenced for wgmma, by every warp of the calling partition."""
-        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-        p_q = mb * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, blk))
-        if GROUPED:
-            q_tok = tok0 + p_q // H
-            q_head = p_q % H
-        else:
-            q_tok = tok0 + p_q * 0
-            q_head = p_q
-        q_ok = p_q < n_heads
-        q_row = q_ptr + q_tok.to(gl.int64) * stride_qt + gl.where(q_ok, q_head, 0).to(gl.int64) * stride_qh
-        cv = gl.arange(0, _DV, layout=gl.SliceLayout(0, blk))
-        async_copy.async_copy_global_to_shared(q_v, q_row[:, None] + cv[None, :], mask=q_ok[:, None])
-        if HAS_PE:
-            cr = gl.arange(0, _DPE, layout=gl.SliceLayout(0, blk))
-            async_copy.async_copy_global_to_shared(q_r, q_row[:, None] + _DV + cr[None, :], mask=q_ok[:, None])
+        _issue_q(q_ptr, q_v, q_r, stride_qt, stride_qh, mb, tok0, H, n_heads, GROUPED, HAS_PE)
         async_copy.commit_group()
         async_copy.wait_group(0)
         fence_async_shared()
