@@ -10,16 +10,9 @@ test is skipped on a developer machine and fails under CI (``CI`` set), so CI ca
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from lib import run_sm90_compile
 
-REPO = Path(__file__).resolve().parents[1]
-TRITON_DIR = Path(os.environ.get("GLUON_TRITON_DIR", REPO / ".cache" / "triton-gluon"))
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one block may use on the H100 / H200
 
 _SCRIPT = r"""
@@ -80,16 +73,7 @@ _SCRIPT = _SCRIPT.replace("rows = []", _SASS_SCAN + "\ncuobjdump = ptxas[:-len('
 
 @pytest.fixture(scope="module")
 def compiled():
-    if not (TRITON_DIR / "triton" / "__init__.py").exists():
-        msg = f"no triton for the Gluon kernels at {TRITON_DIR} (run `make gluon-triton`)"
-        if os.environ.get("CI"):
-            pytest.fail(msg + ": CI must compile the Gluon kernels")
-        pytest.skip(msg)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TRITON_DIR), str(REPO)]))
-    env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
-    assert r.returncode == 0, f"compile script failed:\n{r.stderr[-4000:]}"
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return run_sm90_compile(_SCRIPT, "the Gluon kernels")
 
 
 def test_triton_is_a_supported_version(compiled):

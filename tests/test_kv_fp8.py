@@ -16,9 +16,6 @@ import json
 import math
 import os
 import struct
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -37,13 +34,13 @@ from lib import (
     neighbour_rows,
     poisoned_out,
     poisoned_views,
+    run_sm90_compile,
 )
 
 from sparse_mla import dsa_prefill, dsa_prefill_ref, sparse_mla_fwd, sparse_mla_ref
 from sparse_mla.kv_format import FP8_DS_MLA, check_kv_format
 
 FMT = FP8_DS_MLA
-REPO = Path(__file__).resolve().parents[1]
 FP8 = "fp8_ds_mla"
 
 
@@ -525,7 +522,6 @@ def test_custom_op_and_warmup_take_the_fp8_cache():
 # ---------------------------------------------------------------------------------------------------------------
 # The FP8 variants compile for sm_90 (Triton's front end, LLVM and ptxas on the CPU, as tests/test_gluon_compile.py)
 
-TRITON_DIR = Path(os.environ.get("GLUON_TRITON_DIR", REPO / ".cache" / "triton-gluon"))
 SMEM_LIMIT = 227 * 1024
 
 _COMPILE = r"""
@@ -560,16 +556,7 @@ def test_fp8_variants_compile_for_sm90_with_the_hardware_conversion():
     """The FP8 gather compiles for sm_90 with the Triton the GPU runs (the Gluon kernels' pinned version), within
     the H100 / H200 shared memory, converting with the e4m3 -> f16x2 cvt instruction (no software decode) and
     multiplying in bf16 tensor-core MMAs."""
-    if not (TRITON_DIR / "triton" / "__init__.py").exists():
-        msg = f"no triton for sm_90 compiles at {TRITON_DIR} (run `make gluon-triton`)"
-        if os.environ.get("CI"):
-            pytest.fail(msg + ": CI must compile the FP8 kernel variants")
-        pytest.skip(msg)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TRITON_DIR), str(REPO)]))
-    env.pop("TRITON_INTERPRET", None)
-    r = subprocess.run([sys.executable, "-c", _COMPILE], capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
-    assert r.returncode == 0, r.stderr[-4000:]
-    rows = json.loads(r.stdout.strip().splitlines()[-1])
+    rows = run_sm90_compile(_COMPILE, "the FP8 kernel variants")
     assert len(rows) == 3
     for row in rows:
         assert row["cvt"] == ["cvt.rn.f16x2.e4m3x2"], row

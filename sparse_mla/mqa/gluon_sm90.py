@@ -83,6 +83,16 @@ if GLUON_IMPORT_ERROR is None:
         return gl.load(rows_ptr + gid.to(gl.int64) * row_stride + pos, mask=pos < n_rows, other=-1)
 
     @gluon.jit
+    def _pseudo_heads(mb, tok0, H, layout: gl.constexpr, GROUPED: gl.constexpr):
+        """The 64 pseudo-heads of m-block mb in ``layout`` (a [64] slice layout): (p, token, head); grouped,
+        p = mb * 64 + r is head p % H of token tok0 + p // H, per token head p of token tok0."""
+        p = mb * _BH + gl.arange(0, _BH, layout=layout)
+        if GROUPED:
+            return p, tok0 + p // H, p % H
+        else:
+            return p, tok0 + p * 0, p
+
+    @gluon.jit
     def _resolve_list(nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K, m_blocks, group_heads, has_nrows, has_route,
                       GROUPED: gl.constexpr):
         """This CTA's list and m-block (1-D grid, m-blocks of a list adjacent): (gid, mb, first token, rows of the
@@ -129,13 +139,7 @@ if GLUON_IMPORT_ERROR is None:
                  HAS_PE: gl.constexpr):
         """The Q tile's cp.async copies (``_load_q`` without the wait), by the producer of a persistent CTA."""
         blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-        p_q = mb * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, blk))
-        if GROUPED:
-            q_tok = tok0 + p_q // H
-            q_head = p_q % H
-        else:
-            q_tok = tok0 + p_q * 0
-            q_head = p_q
+        p_q, q_tok, q_head = _pseudo_heads(mb, tok0, H, gl.SliceLayout(1, blk), GROUPED)
         q_ok = p_q < n_heads
         q_row = q_ptr + q_tok.to(gl.int64) * stride_qt + gl.where(q_ok, q_head, 0).to(gl.int64) * stride_qh
         cv = gl.arange(0, _DV, layout=gl.SliceLayout(0, blk))
@@ -281,13 +285,7 @@ if GLUON_IMPORT_ERROR is None:
             mbarrier.arrive(empty.index(st), count=1)  # ... before one thread releases it
         # epilogue: pseudo-head p -> (token, head); rows past the real pseudo-heads are never stored
         l_i = gl.convert_layout(gl.sum(l_acc, axis=1), rows_o)
-        p_o = mb * _BH + gl.arange(0, _BH, layout=rows_o)
-        if GROUPED:
-            tok = tok0 + p_o // H
-            hh = p_o % H
-        else:
-            tok = tok0 + p_o * 0
-            hh = p_o
+        p_o, tok, hh = _pseudo_heads(mb, tok0, H, rows_o, GROUPED)
         row_ok = p_o < n_heads
         m_o = gl.convert_layout(m_i, rows_o)
         denom = _epilogue_stats(l_i, m_o, hh, row_ok, tok, lse_ptr, stride_lt, has_lse, sink_ptr, maxl_ptr, stride_mt,
@@ -301,13 +299,7 @@ if GLUON_IMPORT_ERROR is None:
             gl.thread_barrier()
             st_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
             ob = q_v.load(st_l)
-            p_b = mb * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, st_l))
-            if GROUPED:
-                tok_b = tok0 + p_b // H
-                hh_b = p_b % H
-            else:
-                tok_b = tok0 + p_b * 0
-                hh_b = p_b
+            p_b, tok_b, hh_b = _pseudo_heads(mb, tok0, H, gl.SliceLayout(1, st_l), GROUPED)
             cols_b = gl.arange(0, _DV, layout=gl.SliceLayout(0, st_l))
             o_row = out_ptr + tok_b.to(gl.int64) * stride_ot + hh_b.to(gl.int64) * stride_oh
             gl.store(o_row[:, None] + cols_b[None, :], ob, mask=(p_b < n_heads)[:, None])
@@ -449,13 +441,7 @@ if GLUON_IMPORT_ERROR is None:
         mbarrier.arrive(l_bar_mine, count=1)
         mbarrier.wait(l_bar_other, 0)
         l_i = gl.convert_layout(l_own, rows_o) + _vec_load(l_other, rows_o)
-        p_o = mb * _BH + gl.arange(0, _BH, layout=rows_o)
-        if GROUPED:
-            tok = tok0 + p_o // H
-            hh = p_o % H
-        else:
-            tok = tok0 + p_o * 0
-            hh = p_o
+        p_o, tok, hh = _pseudo_heads(mb, tok0, H, rows_o, GROUPED)
         row_ok = p_o < n_heads
         m_o = gl.convert_layout(m_i, rows_o)
         denom = _epilogue_stats(l_i, m_o, hh, row_ok, tok, lse_ptr, stride_lt, has_lse, sink_ptr, maxl_ptr, stride_mt,
