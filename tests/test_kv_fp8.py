@@ -269,30 +269,45 @@ def test_bad_fp8_calls_raise_before_any_launch(kind, exc, match, monkeypatch):
 # Backend selection (plain Python)
 
 
-def test_fp8_cache_selects_the_triton_kernel_with_the_reason(monkeypatch):
-    from sparse_mla.mqa import backends
+def test_fp8_cache_backend_reasons(monkeypatch):
+    """An fp8_ds_mla cache may run the Gluon kernel with bf16 q on the split schedule; fp16 q or the pair schedule
+    fall back to Triton with the reason, and forcing gluon_sm90 there raises it. (On a machine where Gluon does not
+    apply at all, its device reason comes first.)"""
+    from sparse_mla.mqa import backends, gluon_sm90
 
-    q = torch.zeros(4, 64, 576, dtype=DTYPE, device=DEVICE)
+    q16 = torch.zeros(4, 64, 576, dtype=torch.float16, device=DEVICE)
+    qb = torch.zeros(4, 64, 576, dtype=torch.bfloat16, device=DEVICE)
     rows = FMT.as_rows(torch.zeros(32, 656, dtype=torch.uint8, device=DEVICE))
-    assert backends.gluon_sm90_applies(q, rows) == (False, backends.FP8_KV_REASON)
-    assert "fp8_ds_mla" in backends.FP8_KV_REASON
+    monkeypatch.setattr(gluon_sm90, "SCHEDULE", "split")
+    assert backends.fp8_kv_reason(qb) is None
+    assert "bf16 q" in backends.fp8_kv_reason(q16)
+    monkeypatch.setattr(gluon_sm90, "SCHEDULE", "pair")
+    assert "no FP8 variant" in backends.fp8_kv_reason(qb)
+    monkeypatch.setattr(gluon_sm90, "SCHEDULE", "split")
+    ok, why = backends.gluon_sm90_applies(q16, rows)
+    dev_ok, dev_why = backends.gluon_sm90_device_applies(q16.device, q16.dtype)
+    assert not ok and why == (backends.fp8_kv_reason(q16) if dev_ok else dev_why)
     for env in ("auto", "triton"):
         monkeypatch.setenv(backends.ENV_VAR, env)
-        name, why = backends.select_backend(q, rows)
-        assert name == "triton" and (env == "triton" or backends.FP8_KV_REASON in why), why
+        name, why = backends.select_backend(q16, rows)
+        assert name == "triton", why
     monkeypatch.setenv(backends.ENV_VAR, "gluon_sm90")
-    with pytest.raises(ValueError, match="fp8_ds_mla cache: the Gluon kernel takes bf16/fp16 caches only"):
-        backends.select_backend(q, rows)
-    with pytest.raises(ValueError, match="fp8_ds_mla"):
-        sparse_mla_fwd(q[:1, :16], rows, torch.zeros(1, 4, dtype=torch.int32, device=DEVICE), 0.1, kv_format=FP8)
+    with pytest.raises(ValueError, match="does not apply"):
+        backends.select_backend(q16, rows)
+    with pytest.raises(ValueError, match="does not apply"):
+        sparse_mla_fwd(q16[:1, :16], rows, torch.zeros(1, 4, dtype=torch.int32, device=DEVICE), 0.1, kv_format=FP8)
 
 
 def test_explain_names_the_fp8_attention_backend():
     from sparse_mla.layer import PrefillStep, explain
-    from sparse_mla.mqa.backends import FP8_KV_REASON
+    from sparse_mla.mqa.backends import describe_for_device
 
     d = explain(PrefillStep(16, 512, 128, 64, 128, 64, (100,), (20,), kv_format=FP8))
-    assert FP8_KV_REASON in d.attention_backend
+    assert d.attention_backend == describe_for_device(num_heads=16, num_tokens=20, kv_fp8=True)
+    if not torch.cuda.is_available():
+        assert d.attention_backend.startswith("attention backend: triton (gluon_sm90 does not apply")
+    else:
+        assert "fp8_ds_mla" in d.attention_backend or "triton" in d.attention_backend
     with pytest.raises(ValueError, match="kv_format"):
         PrefillStep(16, 512, 128, 64, 128, 64, (100,), (20,), kv_format="int8")
 
@@ -399,6 +414,77 @@ def test_interpreter_and_hardware_convert_every_finite_e4m3_code():
         assert all_of(v != v or abs(v) == 120.0 for v in y[nan_codes].tolist())  # NaN, or 480 * 0.25
     else:
         assert torch.isnan(y[nan_codes]).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The Gluon sm_90 kernel's FP8 producer (GPU): held to the reference on the dequantized cache and to the Triton twin
+
+
+def _gluon_fp8_applies() -> tuple[bool, str]:
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    from sparse_mla.mqa import backends
+
+    q = torch.empty(1, 1, 576, dtype=torch.bfloat16, device="cuda")
+    return backends.gluon_sm90_applies(q, torch.empty(1, 656, dtype=torch.uint8, device="cuda"))
+
+
+_GLUON_FP8 = _gluon_fp8_applies()
+requires_gluon_fp8 = pytest.mark.skipif(not _GLUON_FP8[0], reason=f"gluon_sm90 FP8 does not apply: {_GLUON_FP8[1]}")
+
+
+def _fp8_backend_pair(monkeypatch, q, cache, idx, sm_scale, topk_length=None, **kw):
+    """The call through gluon_sm90 (checked against the reference into poisoned views) and through triton."""
+    from sparse_mla.mqa import backends
+
+    monkeypatch.setenv(backends.ENV_VAR, "gluon_sm90")
+    out_g, lse_g, ref_out, ref_lse = run_fp8_checked(q, cache, idx, sm_scale, topk_length=topk_length, pad_tokens=2,
+                                                     **kw)
+    monkeypatch.setenv(backends.ENV_VAR, "triton")
+    out_t, lse_t = poisoned_out(*q.shape[:2])
+    sparse_mla_fwd(q, cache, idx, sm_scale, topk_length=topk_length, out=out_t, lse=lse_t, kv_format=FP8, **kw)
+    assert_same_result(out_g, lse_g, out_t, lse_t, DTYPE)
+    return out_g, lse_g, ref_out, ref_lse
+
+
+@pytest.mark.parametrize("H, K, N, T, scale_format, topk_len", [
+    pytest.param(64, 70, 200, 7, "ue8m0", False, id="H64-K70-T7"),
+    pytest.param(128, 2048, 5000, 5, "fp32", True, id="H128-K2048-fp32-scales-topk_length"),
+    pytest.param(32, 257, 3000, 9, "ue8m0", True, id="H32-K257-topk_length"),
+    pytest.param(16, 130, 400, 6, "ue8m0", False, id="H16-K130"),
+])
+@pytest.mark.gpu
+@requires_gluon_fp8
+def test_gluon_fp8_per_token_matches_reference_and_twin(monkeypatch, H, K, N, T, scale_format, topk_len):
+    q, cache, idx = fp8_problem(T, H, K, N, seed=3 * H + K, scale_format=scale_format)
+    tl_ = None
+    if topk_len:
+        idx, tl_ = garbage_topk_length(idx.cpu(), N, generator=torch.Generator().manual_seed(H))
+        idx, tl_ = idx.to(DEVICE), tl_.to(DEVICE)
+    out, lse, _, ref_lse = _fp8_backend_pair(monkeypatch, q, cache, idx, 576**-0.5, topk_length=tl_,
+                                             method="per_token")
+    empty = torch.isinf(ref_lse)
+    assert (out[empty] == 0).all() and torch.isinf(lse[empty]).all()
+
+
+@pytest.mark.parametrize("H, lens", [
+    pytest.param(16, [5, 11, 7], id="H16-G8-3-requests"),
+    pytest.param(8, [33, 16], id="H8-G16"),
+    pytest.param(32, [9], id="H32-G4-odd"),
+])
+@pytest.mark.gpu
+@requires_gluon_fp8
+def test_gluon_fp8_grouped_matches_reference_and_twin(monkeypatch, H, lens):
+    K, N = 100, 420
+    T = sum(lens)
+    g = torch.Generator().manual_seed(H + T)
+    idx = neighbour_rows(T, K, N, 0.7, generator=g)
+    idx[1, 60:] = -1
+    idx[T - 1] = -1  # a query with no valid row
+    q, cache, idx = fp8_problem(T, H, K, N, seed=H, indices=idx)
+    _, _, _, ref_lse = _fp8_backend_pair(monkeypatch, q, cache, idx, 0.05, method="grouped", cu_seqlens_q=cu_seqlens(lens),
+                                         overlap_guard=None)
+    assert torch.isinf(ref_lse[T - 1]).all()
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -9,11 +9,16 @@ and not timed, as ``scripts/bench_gluon.py`` times it), the rows:
   applies, on an H200 at >= 32 pseudo-heads per tile).
 * ``bf16 triton``: the bf16 cache forced onto the Triton kernel (the kernel the FP8 cache runs: the cost of the
   in-register dequantization alone is ``fp8`` against this).
-* ``fp8``: the FP8 cache (the Triton kernel with ``KV_FP8``, ``triton_tl.LAUNCH_CONFIGS_FP8``).
+* ``fp8``: the FP8 cache through the selection point (on an H200 with bf16 q: the Gluon kernel, whose producer
+  dequantizes in registers; elsewhere the Triton kernel with ``KV_FP8``).
+* ``fp8 triton``: the FP8 cache forced onto the Triton kernel (``triton_tl.LAUNCH_CONFIGS_FP8``).
 * ``dequant+bf16``: what engines run with FlashMLA's bf16-only sparse prefill: the whole cache dequantized into
   a preallocated bf16 workspace (``FP8_DS_MLA.dequantize``, torch), then the bf16 kernel as ``bf16``; timed
   together, with the dequantization alone in ``dequant_ms``.
-* with ``--sweep-configs``: ``fp8 cfg=BLOCK_N/warps/stages`` for the alternatives in ``SWEEP_CONFIGS``.
+* with ``--sweep-configs``: ``fp8 triton cfg=BLOCK_N/warps/stages`` for the Triton kernel's alternatives in
+  ``SWEEP_CONFIGS``.
+
+Each row records the ``backend`` the selection point picked for it.
 
 Inputs (the protocol of ``scripts/bench_gluon.py``): T query tokens over N cache rows, query i taking topk
 distinct uniform rows of [0, N - T + i] per token; grouped: the "mid" synthetic top-k of N - T cached + T new
@@ -125,18 +130,23 @@ def run_case(kind: str, H: int, T: int, K: int, N: int, *, dtype: torch.dtype, d
             fn()
         return run
 
-    variants = [("bf16", "auto", launch(kv), ref16, 2 * D_QK), ("bf16 triton", "triton", launch(kv), ref16, 2 * D_QK),
-                ("fp8", "auto", launch(rows8), ref8, FP8_DS_MLA.row_bytes),
-                ("dequant+bf16", "auto", dequant_then(launch(workspace)), ref8, 2 * D_QK)]
+    fp8b = FP8_DS_MLA.row_bytes
+    variants = [("bf16", "auto", kv, launch(kv), ref16, 2 * D_QK),
+                ("bf16 triton", "triton", kv, launch(kv), ref16, 2 * D_QK),
+                ("fp8", "auto", rows8, launch(rows8), ref8, fp8b),
+                ("fp8 triton", "triton", rows8, launch(rows8), ref8, fp8b),
+                ("dequant+bf16", "auto", workspace, dequant_then(launch(workspace)), ref8, 2 * D_QK)]
     if sweep:
-        variants += [(f"fp8 cfg={bn}/{w}/{s}", "auto", launch(rows8, (bn, w, s)), ref8, FP8_DS_MLA.row_bytes)
+        variants += [(f"fp8 triton cfg={bn}/{w}/{s}", "triton", rows8, launch(rows8, (bn, w, s)), ref8, fp8b)
                      for bn, w, s in SWEEP_CONFIGS]
+    pseudo_heads = H if kind == "per_token" else 128
     out_rows = []
     env_before = os.environ.get(backends.ENV_VAR)
     try:
-        for name, backend, fn, ref, row_bytes in variants:
+        for name, backend, kv_rows, fn, ref, row_bytes in variants:
             os.environ[backends.ENV_VAR] = backend
-            rec = dict(case=case, variant=name, heads=H, tokens=T, topk=K, kv_rows=N)
+            rec = dict(case=case, variant=name, heads=H, tokens=T, topk=K, kv_rows=N,
+                       backend="triton" if " cfg=" in name else backends.select_backend(q, kv_rows, out, pseudo_heads)[0])
             try:
                 out.fill_(float("nan"))
                 fn()
@@ -209,12 +219,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
     with open(a.json, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print(f"\n{'case':<18} {'variant':<20} {'ms':>8} {'TFLOP/s':>8} {'floor ms':>8} {'row err':>8} {'vs bf16':>8}")
+    print(f"\n{'case':<18} {'variant':<20} {'backend':<10} {'ms':>8} {'TFLOP/s':>8} {'floor ms':>8} {'row err':>8} "
+          f"{'vs bf16':>8}")
     for r in rows:
         if "error" in r:
-            print(f"{r['case']:<18} {r['variant']:<20} {r['error']}")
+            print(f"{r['case']:<18} {r['variant']:<20} {r['backend']:<10} {r['error']}")
             continue
-        print(f"{r['case']:<18} {r['variant']:<20} {r['ms']:8.3f} {r['tflops']:8.1f} {r['floor_ms']:8.3f} "
+        print(f"{r['case']:<18} {r['variant']:<20} {r['backend']:<10} {r['ms']:8.3f} {r['tflops']:8.1f} {r['floor_ms']:8.3f} "
               f"{r['max_row_err']:8.1e} {r['max_row_err_vs_bf16_cache']:8.1e}"
               + (f"  (dequant alone {r['dequant_ms']:.3f} ms)" if "dequant_ms" in r else ""))
     print(f"wrote {a.json}" + ("" if on_gpu else " (Triton interpreter: the times are not performance numbers)"))

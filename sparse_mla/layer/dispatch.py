@@ -258,11 +258,8 @@ def explain(step: PrefillStep, path: str | None = None, *, describe_backends: bo
     from ..mqa.backends import describe_for_device
     from ..union.backends import describe_for_step
 
-    backend = describe_for_device(num_heads=step.num_heads, num_tokens=step.num_tokens) if describe_backends else ""
-    if backend and step.kv_format is not None:
-        from ..mqa.backends import FP8_KV_REASON
-
-        backend = f"attention backend: triton ({FP8_KV_REASON})"
+    backend = describe_for_device(num_heads=step.num_heads, num_tokens=step.num_tokens,
+                                  kv_fp8=step.kv_format is not None) if describe_backends else ""
     union = describe_for_step(step.num_heads, step.topk) if describe_backends else ""
     if requested is not None and sup[requested][0]:
         return PathDecision(requested, f"forced by {source}{requested}", requested, False, sup, ratio, backend, union)

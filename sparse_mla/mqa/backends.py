@@ -5,8 +5,9 @@ Backends:
 * ``"gluon_sm90"``: ``sparse_mla.mqa.gluon_sm90``, the warp-specialized Hopper kernel. Applies on a
   CUDA device of compute capability 9.0 (wgmma is sm_90a-only), with a Triton whose Gluon API the
   kernel is written against (``gluon_sm90.SUPPORTED_TRITON``), not under ``TRITON_INTERPRET=1``,
-  bf16 / fp16, and 16-byte aligned q, kv, out (base pointers and row strides; cp.async moves 16 B), and kv
-  not an FP8 ``fp8_ds_mla`` cache (``FP8_KV_REASON``: such a cache always runs the Triton kernel).
+  bf16 / fp16, and 16-byte aligned q, kv, out (base pointers and row strides; cp.async moves 16 B). An FP8
+  ``fp8_ds_mla`` cache (kv the uint8 rows [N, 656]) runs it with bf16 q on the default "split" schedule (its
+  producer dequantizes in registers); otherwise such a cache runs the Triton kernel (``fp8_kv_reason``).
 * ``"triton"``: ``sparse_mla.mqa.triton_tl``, the portable kernel: every other case, and the
   CPU-tested twin every other backend is held to.
 
@@ -28,7 +29,18 @@ logger = logging.getLogger("sparse_mla")
 
 BACKENDS = ("triton", "gluon_sm90")
 ENV_VAR = "SPARSE_MLA_MQA_BACKEND"
-FP8_KV_REASON = "kv is an fp8_ds_mla cache: the Gluon kernel takes bf16/fp16 caches only"
+
+
+def fp8_kv_reason(q: torch.Tensor) -> str | None:
+    """Why the Gluon kernel cannot take an fp8_ds_mla cache with this q, or None when it can."""
+    from . import gluon_sm90
+
+    if gluon_sm90.SCHEDULE not in gluon_sm90.FP8_SCHEDULES:
+        return (f"kv is an fp8_ds_mla cache and SPARSE_MLA_GLUON_SCHEDULE={gluon_sm90.SCHEDULE} has no FP8 variant "
+                f"(only {', '.join(gluon_sm90.FP8_SCHEDULES)})")
+    if q.dtype != torch.bfloat16:
+        return f"kv is an fp8_ds_mla cache and q is {q.dtype}: the Gluon FP8 variant takes bf16 q (bf16 RoPE rows)"
+    return None
 
 
 def _capability(device: torch.device) -> tuple[int, int] | None:
@@ -66,11 +78,13 @@ def gluon_sm90_applies(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | No
     q [T, H, D_qk], kv [N, D_qk] (flattened rows), out [T, H, 512] or None (allocated contiguous).
     Plain Python over tensor metadata: no device sync, no CUDA query beyond the device capability.
     """
-    if kv.dtype == torch.uint8:  # the validated byte rows [N, 656] of kv_format="fp8_ds_mla" (sparse_mla.kv_format)
-        return False, FP8_KV_REASON
     ok, why = gluon_sm90_device_applies(q.device, q.dtype)
     if not ok:
         return ok, why
+    if kv.dtype == torch.uint8:  # the validated byte rows [N, 656] of kv_format="fp8_ds_mla" (sparse_mla.kv_format)
+        fp8_why = fp8_kv_reason(q)
+        if fp8_why is not None:
+            return False, fp8_why
     tensors = [("q", q, (0, 1)), ("kv", kv, (0, ))] + ([("out", out, (0, 1))] if out is not None else [])
     for name, t, dims in tensors:
         if t.stride(-1) != 1:
@@ -137,14 +151,18 @@ def describe_backend(q: torch.Tensor, kv: torch.Tensor) -> str:
 
 
 def describe_for_device(device: torch.device | None = None, dtype: torch.dtype = torch.bfloat16,
-                        num_heads: int | None = None, num_tokens: int | None = None) -> str:
+                        num_heads: int | None = None, num_tokens: int | None = None, kv_fp8: bool = False) -> str:
     """The same line without tensors, for contiguous 16-byte aligned ones on ``device`` (default: the
     current CUDA device, else the CPU), for the per-token launch of ``num_heads`` heads over ``num_tokens``
-    tokens when given (grouped tiles hold 128 pseudo-heads); what ``sparse_mla.layer.explain`` prints."""
+    tokens when given (grouped tiles hold 128 pseudo-heads), on an fp8_ds_mla cache when ``kv_fp8``; what
+    ``sparse_mla.layer.explain`` prints."""
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     forced = os.environ.get(ENV_VAR, "auto").strip() or "auto"
     ok, why = gluon_sm90_device_applies(device, dtype)
+    if ok and kv_fp8:
+        fp8_why = fp8_kv_reason(torch.empty(0, dtype=dtype))
+        ok, why = (True, why + ", fp8_ds_mla cache dequantized by the producer") if fp8_why is None else (False, fp8_why)
     if forced != "auto":
         return f"attention backend: {forced} (forced by {ENV_VAR}; gluon_sm90 {'applies' if ok else 'n/a: ' + why})"
     if not ok:

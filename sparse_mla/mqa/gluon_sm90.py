@@ -165,11 +165,67 @@ if GLUON_IMPORT_ERROR is None:
             async_copy.async_copy_global_to_shared(ring_r.index(st), base + _DV + cr[None, :], mask=ok[:, None])
         async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
 
+    _FP8_CW = gl.constexpr(64)  # NoPE columns per register-path step (4 threads x 16 B per row)
+
+    @gluon.jit
+    def _fp8_chunk(row, ok, cols, k: gl.constexpr):
+        """NoPE columns [64k, 64k + 64) of the tile's fp8_ds_mla rows (uint8, 16 B per thread) and their fp32
+        scale (invalid rows: 0 and 0, so the stored values are finite zeros)."""
+        x = gl.load(row[:, None] + (k * _FP8_CW + cols)[None, :], mask=ok[:, None], other=0)
+        scale = (row + (_DV + 4 * ((k * _FP8_CW) // 128))).to(gl.pointer_type(gl.float32), bitcast=True)
+        return x, gl.load(scale, mask=ok, other=0.0)
+
+    @gluon.jit
+    def _fp8_store(dst, x, sc, k: gl.constexpr):
+        """Dequantize a chunk (e4m3 -> fp32 x scale -> dst's dtype) into columns [64k, 64k + 64) of dst."""
+        v = x.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]
+        dst.slice(k * _FP8_CW, _FP8_CW, dim=1).store(v.to(dst.dtype))
+
+    @gluon.jit
+    def _gather_tile_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, c, ring_v, ring_r, ready,
+                         empty, STAGES: gl.constexpr):
+        """``_gather_tile`` from an fp8_ds_mla cache (``sparse_mla.kv_format``: per row 512 e4m3 NoPE values, 4
+        fp32 scales at byte 512, 64 bf16 RoPE values at byte 528; stride_kvn in bytes). The RoPE part lands by
+        cp.async; the NoPE part takes the register path (ld.global -> e4m3 -> fp32 x scale -> q's dtype ->
+        st.shared), 64 columns a step with the next two steps' loads in flight; the first two are loaded before
+        the stage is free. One arrive on ``ready`` (count 1) once every producer thread's stores are fenced for
+        wgmma and its copies have landed."""
+        blk8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0])
+        st = c % STAGES
+        pos = j * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(1, blk8))
+        idx = gl.load(rows_ptr + gid.to(gl.int64) * row_stride + pos, mask=pos < n_rows, other=-1)
+        ok = (idx >= 0) & (idx < N)
+        row = kv_ptr + gl.where(ok, idx, 0).to(gl.int64) * stride_kvn
+        cols = gl.arange(0, _FP8_CW, layout=gl.SliceLayout(0, blk8))
+        x0, s0 = _fp8_chunk(row, ok, cols, 0)  # in flight during the wait
+        x1, s1 = _fp8_chunk(row, ok, cols, 1)
+        mbarrier.wait(empty.index(st), ((c // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+        rope = (row + (_DV + 16)).to(gl.pointer_type(gl.bfloat16), bitcast=True)  # 64 bf16 = 2 x 16 B per thread
+        async_copy.async_copy_global_to_shared(ring_r.index(st), rope[:, None] + cols[None, :], mask=ok[:, None])
+        async_copy.commit_group()
+        dst = ring_v.index(st)
+        for k in gl.static_range(0, _DV // _FP8_CW, 2):
+            if k + 2 < _DV // _FP8_CW:
+                x2, s2 = _fp8_chunk(row, ok, cols, k + 2)
+            _fp8_store(dst, x0, s0, k)
+            if k + 3 < _DV // _FP8_CW:
+                x3, s3 = _fp8_chunk(row, ok, cols, k + 3)
+            _fp8_store(dst, x1, s1, k + 1)
+            if k + 2 < _DV // _FP8_CW:
+                x0 = x2
+                s0 = s2
+                x1 = x3
+                s1 = s3
+        fence_async_shared()  # st.shared (generic proxy) -> wgmma reads (async proxy)
+        async_copy.wait_group(0)
+        gl.thread_barrier()  # every producer thread's stores and copies are done ...
+        mbarrier.arrive(ready.index(st), count=1)  # ... before one thread marks the stage ready
+
     @gluon.jit
     def _producer_loop(q_ptr, kv_ptr, rows_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, stride_qt, stride_qh,
                        stride_kvn, row_stride, N, H, K, m_blocks, group_heads, has_nrows, has_route, num_work, q_v, q_r,
                        ring_v, ring_r, ready, empty, q_bars, GROUPED: gl.constexpr, HAS_PE: gl.constexpr,
-                       STAGES: gl.constexpr):
+                       STAGES: gl.constexpr, KV_FP8: gl.constexpr):
         """Persistent producer: per work item, the first STAGES tiles (they may land while the consumers finish the
         previous item), then Q (once the consumers freed it: q_bars[1]; landed: q_bars[0]), then the other tiles."""
         c = 0
@@ -180,14 +236,22 @@ if GLUON_IMPORT_ERROR is None:
             it = (w - gl.program_id(0)) // gl.num_programs(0)  # this CTA's item count
             n_pre = gl.minimum(n_tiles, STAGES)
             for j in range(n_pre):
-                _gather_tile(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, c + j, ring_v, ring_r, ready,
-                             empty, HAS_PE, STAGES)
+                if KV_FP8:
+                    _gather_tile_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, c + j, ring_v, ring_r,
+                                     ready, empty, STAGES)
+                else:
+                    _gather_tile(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, c + j, ring_v, ring_r,
+                                 ready, empty, HAS_PE, STAGES)
             mbarrier.wait(q_bars.index(1), (it & 1) ^ 1)  # Q buffer free (a fresh barrier passes parity 1)
             _issue_q(q_ptr, q_v, q_r, stride_qt, stride_qh, mb, tok0, H, n_heads, GROUPED, HAS_PE)
             async_copy.mbarrier_arrive(q_bars.index(0), increment_count=False)
             for j in range(n_pre, n_tiles):
-                _gather_tile(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, c + j, ring_v, ring_r, ready,
-                             empty, HAS_PE, STAGES)
+                if KV_FP8:
+                    _gather_tile_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, c + j, ring_v, ring_r,
+                                     ready, empty, STAGES)
+                else:
+                    _gather_tile(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, c + j, ring_v, ring_r,
+                                 ready, empty, HAS_PE, STAGES)
             c += n_tiles
 
     @gluon.jit
@@ -345,7 +409,7 @@ if GLUON_IMPORT_ERROR is None:
         sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl, num_work,
         GROUPED: gl.constexpr, HAS_PE: gl.constexpr, STAGES: gl.constexpr,
         PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ABLATE: gl.constexpr, O_VIA_SMEM: gl.constexpr,
-        num_warps: gl.constexpr,
+        KV_FP8: gl.constexpr, num_warps: gl.constexpr,
     ):
         """Work items (list, m-block) w = 0 .. num_work - 1, the m-blocks of a list adjacent (they share its rows
         in L2); CTA p takes w = p, p + grid, ... (persistent when the grid is smaller than num_work: the next item's
@@ -369,7 +433,10 @@ if GLUON_IMPORT_ERROR is None:
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # Q landed, Q free
         for i in gl.static_range(STAGES):
-            mbarrier.init(ready.index(i), count=PRODUCER_WARPS * 32)  # every producer thread arrives
+            if KV_FP8:
+                mbarrier.init(ready.index(i), count=1)  # one arrive after the producer's barrier
+            else:
+                mbarrier.init(ready.index(i), count=PRODUCER_WARPS * 32)  # every producer thread arrives
             mbarrier.init(empty.index(i), count=1)  # one arrive by the consumer partition
         mbarrier.init(q_bars.index(0), count=PRODUCER_WARPS * 32)
         mbarrier.init(q_bars.index(1), count=1)
@@ -381,7 +448,7 @@ if GLUON_IMPORT_ERROR is None:
                               maxl_ptr, stride_mt, has_sink, has_maxl, GROUPED, HAS_PE, STAGES, ABLATE, O_VIA_SMEM)),
             (_producer_loop, (q_ptr, kv_ptr, rows_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, stride_qt, stride_qh,
                               stride_kvn, row_stride, N, H, K, m_blocks, group_heads, has_nrows, has_route, num_work,
-                              q_v, q_r, ring_v, ring_r, ready, empty, q_bars, GROUPED, HAS_PE, STAGES)),
+                              q_v, q_r, ring_v, ring_r, ready, empty, q_bars, GROUPED, HAS_PE, STAGES, KV_FP8)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
 
@@ -634,6 +701,9 @@ O_VIA_SMEM = os.environ.get("SPARSE_MLA_GLUON_O_VIA_SMEM", "1") == "1"
 # epilogue) instead of one CTA per item.
 PERSISTENT = os.environ.get("SPARSE_MLA_GLUON_PERSISTENT", "1") == "1"
 PAIR_CONSUMER_REGS = 232  # each consumer warpgroup; the producer (the default partition) gets what is left
+# fp8_ds_mla cache (KV_FP8): the producer dequantizes in registers, so it gets more of them (the consumers the rest).
+FP8_PRODUCER_REGS = int(os.environ.get("SPARSE_MLA_GLUON_FP8_PRODUCER_REGS", "72"))
+FP8_SCHEDULES = ("split", )  # schedules with an fp8_ds_mla variant (D_qk 576, bf16 q: its RoPE part is bf16)
 
 
 def _kernel_for(schedule: str):
@@ -642,13 +712,16 @@ def _kernel_for(schedule: str):
     return sparse_mqa_sm90_kernel if schedule == "split" else sparse_mqa_sm90_pair_kernel
 
 
-def variant_constexprs(grouped: bool, has_pe: bool, schedule: str | None = None) -> dict:
+def variant_constexprs(grouped: bool, has_pe: bool, schedule: str | None = None, kv_fp8: bool = False) -> dict:
     """The compile-time parameters of one kernel variant (everything else is a run-time argument, so the
-    package launches 2 modes x 2 D_qk x 2 dtypes = 8 variants per schedule, each compiled for sm_90 in CI)."""
+    package launches 2 modes x 2 D_qk x 2 dtypes = 8 variants per schedule, plus the split schedule's 2 modes
+    on an fp8_ds_mla cache with bf16 q; each compiled for sm_90 in CI)."""
     if (schedule or SCHEDULE) == "split":
         return dict(GROUPED=grouped, HAS_PE=has_pe, STAGES=STAGES, PRODUCER_WARPS=PRODUCER_WARPS,
-                    PRODUCER_REGS=PRODUCER_REGS, ABLATE=ABLATE, O_VIA_SMEM=O_VIA_SMEM and not grouped,
-                    num_warps=CONSUMER_WARPS)
+                    PRODUCER_REGS=FP8_PRODUCER_REGS if kv_fp8 else PRODUCER_REGS, ABLATE=ABLATE,
+                    O_VIA_SMEM=O_VIA_SMEM and not grouped, KV_FP8=kv_fp8, num_warps=CONSUMER_WARPS)
+    if kv_fp8:
+        raise ValueError("the pair schedule has no fp8_ds_mla variant (FP8_SCHEDULES)")
     return dict(GROUPED=grouped, HAS_PE=has_pe, CONSUMER_REGS=PAIR_CONSUMER_REGS, num_warps=4)
 
 
@@ -695,6 +768,8 @@ def launch(q, kv, rows, bits, nrows, group_start, group_len, route, out, lse, sm
     exp(attn_sink[h]) to out's denominator), max_logits [T, H] fp32 (heads contiguous) or None (written):
     the semantics of ``sparse_mla.mqa.triton_tl``.
     """
+    import torch
+
     T, H, D = q.shape
     if num_lists == 0:
         return
@@ -713,7 +788,7 @@ def launch(q, kv, rows, bits, nrows, group_start, group_len, route, out, lse, sm
         int(nrows is not None), int(route is not None), int(lse is not None),
         attn_sink if attn_sink is not None else f32, max_logits if max_logits is not None else f32,
         max_logits.stride(0) if max_logits is not None else 0, int(attn_sink is not None), int(max_logits is not None),
-        num_work, **variant_constexprs(grouped, D > D_V),
+        num_work, **variant_constexprs(grouped, D > D_V, kv_fp8=kv.dtype == torch.uint8),
     )
 
 
@@ -731,12 +806,14 @@ _ARG_TYPES = (("q_ptr", "*{dt}"), ("kv_ptr", "*{dt}"), ("rows_ptr", "*i32"), ("b
 _ALIGNED = ("q_ptr", "kv_ptr", "out_ptr", "stride_qt", "stride_qh", "stride_kvn", "stride_ot", "stride_oh")
 
 
-def all_variants() -> list[tuple[bool, bool, str, str]]:
-    """(grouped, has_pe, dtype, schedule) of every variant the package can launch."""
-    return [(g, pe, dt, sc) for sc in SCHEDULES for g in (False, True) for pe in (False, True) for dt in ("bf16", "fp16")]
+def all_variants() -> list[tuple[bool, bool, str, str, bool]]:
+    """(grouped, has_pe, dtype, schedule, kv_fp8) of every variant the package can launch."""
+    plain = [(g, pe, dt, sc, False) for sc in SCHEDULES for g in (False, True) for pe in (False, True)
+             for dt in ("bf16", "fp16")]
+    return plain + [(g, True, "bf16", sc, True) for sc in FP8_SCHEDULES for g in (False, True)]
 
 
-def compile_variant(grouped: bool, has_pe: bool, dtype: str, schedule: str, arch: int = 90):
+def compile_variant(grouped: bool, has_pe: bool, dtype: str, schedule: str, kv_fp8: bool = False, arch: int = 90):
     """Compile one variant for ``sm_<arch>`` without a GPU (Triton's front end, LLVM and ptxas run on
     the CPU); returns the CompiledKernel (``.metadata.shared`` bytes, ``.n_regs`` / ``.n_spills``
     where the backend fills them, ``.asm["ptx"]``). Raises whatever Triton raises on an API drift or a
@@ -748,7 +825,9 @@ def compile_variant(grouped: bool, has_pe: bool, dtype: str, schedule: str, arch
 
     names = [n for n, _ in _ARG_TYPES]
     signature = {n: t.format(dt=dtype) for n, t in _ARG_TYPES}
-    cx = variant_constexprs(grouped, has_pe, schedule)
+    if kv_fp8:
+        signature["kv_ptr"] = "*u8"  # the cache's byte rows
+    cx = variant_constexprs(grouped, has_pe, schedule, kv_fp8)
     signature.update({k: "constexpr" for k in cx})
     attrs = {(names.index(n), ): [["tt.divisibility", 16]] for n in _ALIGNED}
     src = GluonASTSource(_kernel_for(schedule), signature, constexprs=cx, attrs=attrs)
