@@ -182,44 +182,57 @@ if GLUON_IMPORT_ERROR is None:
         dst.slice(k * _FP8_CW, _FP8_CW, dim=1).store(v.to(dst.dtype))
 
     @gluon.jit
-    def _gather_tile_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, c, ring_v, ring_r, ready,
-                         empty, STAGES: gl.constexpr):
-        """``_gather_tile`` from an fp8_ds_mla cache (``sparse_mla.kv_format``: per row 512 e4m3 NoPE values, 4
-        fp32 scales at byte 512, 64 bf16 RoPE values at byte 528; stride_kvn in bytes). The RoPE part lands by
-        cp.async; the NoPE part takes the register path (ld.global -> e4m3 -> fp32 x scale -> q's dtype ->
-        st.shared), 64 columns a step with the next two steps' loads in flight; the first two are loaded before
-        the stage is free. One arrive on ``ready`` (count 1) once every producer thread's stores are fenced for
-        wgmma and its copies have landed."""
-        blk8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0])
-        st = c % STAGES
-        pos = j * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(1, blk8))
+    def _fp8_rows(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, layout: gl.constexpr):
+        """Byte pointers of tile j's fp8_ds_mla rows and their validity (positions past the list: invalid)."""
+        pos = j * _BN + gl.arange(0, _BN, layout=layout)
         idx = gl.load(rows_ptr + gid.to(gl.int64) * row_stride + pos, mask=pos < n_rows, other=-1)
         ok = (idx >= 0) & (idx < N)
-        row = kv_ptr + gl.where(ok, idx, 0).to(gl.int64) * stride_kvn
+        return kv_ptr + gl.where(ok, idx, 0).to(gl.int64) * stride_kvn, ok
+
+    @gluon.jit
+    def _gather_tiles_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j0, j1, c0, ring_v, ring_r, ready,
+                          empty, STAGES: gl.constexpr):
+        """Tiles j0 .. j1 - 1 of list ``gid`` from an fp8_ds_mla cache into the ring (tile j in stage
+        (c0 + j - j0) % STAGES). Cache rows (``sparse_mla.kv_format``): 512 e4m3 NoPE values, 4 fp32 scales at
+        byte 512, 64 bf16 RoPE values at byte 528; stride_kvn in bytes. The RoPE part lands by cp.async; the NoPE
+        part takes the register path (ld.global -> e4m3 -> fp32 x scale -> q's dtype -> st.shared) in 64-column
+        steps with the loads two steps ahead (a tile's first two steps load before its stage is free), and each
+        tile's row ids load one tile ahead (the data loads never wait on an index load).
+        One arrive on ``ready`` (count 1) per tile once every producer thread's stores are fenced for wgmma and
+        its copies have landed."""
+        blk8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0])
+        rows_l: gl.constexpr = gl.SliceLayout(1, blk8)
+        n_steps: gl.constexpr = _DV // _FP8_CW
         cols = gl.arange(0, _FP8_CW, layout=gl.SliceLayout(0, blk8))
-        x0, s0 = _fp8_chunk(row, ok, cols, 0)  # in flight during the wait
-        x1, s1 = _fp8_chunk(row, ok, cols, 1)
-        mbarrier.wait(empty.index(st), ((c // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
-        rope = (row + (_DV + 16)).to(gl.pointer_type(gl.bfloat16), bitcast=True)  # 64 bf16 = 2 x 16 B per thread
-        async_copy.async_copy_global_to_shared(ring_r.index(st), rope[:, None] + cols[None, :], mask=ok[:, None])
-        async_copy.commit_group()
-        dst = ring_v.index(st)
-        for k in gl.static_range(0, _DV // _FP8_CW, 2):
-            if k + 2 < _DV // _FP8_CW:
-                x2, s2 = _fp8_chunk(row, ok, cols, k + 2)
-            _fp8_store(dst, x0, s0, k)
-            if k + 3 < _DV // _FP8_CW:
-                x3, s3 = _fp8_chunk(row, ok, cols, k + 3)
-            _fp8_store(dst, x1, s1, k + 1)
-            if k + 2 < _DV // _FP8_CW:
-                x0 = x2
-                s0 = s2
-                x1 = x3
-                s1 = s3
-        fence_async_shared()  # st.shared (generic proxy) -> wgmma reads (async proxy)
-        async_copy.wait_group(0)
-        gl.thread_barrier()  # every producer thread's stores and copies are done ...
-        mbarrier.arrive(ready.index(st), count=1)  # ... before one thread marks the stage ready
+        row, ok = _fp8_rows(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j0, rows_l)
+        for j in range(j0, j1):
+            st = (c0 + j - j0) % STAGES
+            x0, s0 = _fp8_chunk(row, ok, cols, 0)  # in flight during the wait
+            x1, s1 = _fp8_chunk(row, ok, cols, 1)
+            row_n, ok_n = _fp8_rows(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j + 1, rows_l)
+            mbarrier.wait(empty.index(st), (((c0 + j - j0) // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+            rope = (row + (_DV + 16)).to(gl.pointer_type(gl.bfloat16), bitcast=True)  # 2 x 16 B per thread
+            async_copy.async_copy_global_to_shared(ring_r.index(st), rope[:, None] + cols[None, :], mask=ok[:, None])
+            async_copy.commit_group()
+            dst = ring_v.index(st)
+            for k in gl.static_range(0, n_steps, 2):
+                if k + 2 < n_steps:
+                    x2, s2 = _fp8_chunk(row, ok, cols, k + 2)
+                _fp8_store(dst, x0, s0, k)
+                if k + 3 < n_steps:
+                    x3, s3 = _fp8_chunk(row, ok, cols, k + 3)
+                _fp8_store(dst, x1, s1, k + 1)
+                if k + 2 < n_steps:
+                    x0 = x2
+                    s0 = s2
+                    x1 = x3
+                    s1 = s3
+            fence_async_shared()  # st.shared (generic proxy) -> wgmma reads (async proxy)
+            async_copy.wait_group(0)
+            gl.thread_barrier()  # every producer thread's stores and copies are done ...
+            mbarrier.arrive(ready.index(st), count=1)  # ... before one thread marks the stage ready
+            row = row_n
+            ok = ok_n
 
     @gluon.jit
     def _producer_loop(q_ptr, kv_ptr, rows_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, stride_qt, stride_qh,
@@ -235,21 +248,21 @@ if GLUON_IMPORT_ERROR is None:
             n_tiles = gl.cdiv(n_rows, _BN)
             it = (w - gl.program_id(0)) // gl.num_programs(0)  # this CTA's item count
             n_pre = gl.minimum(n_tiles, STAGES)
-            for j in range(n_pre):
-                if KV_FP8:
-                    _gather_tile_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, c + j, ring_v, ring_r,
-                                     ready, empty, STAGES)
-                else:
+            if KV_FP8:
+                _gather_tiles_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 0, n_pre, c, ring_v, ring_r,
+                                  ready, empty, STAGES)
+            else:
+                for j in range(n_pre):
                     _gather_tile(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, c + j, ring_v, ring_r,
                                  ready, empty, HAS_PE, STAGES)
             mbarrier.wait(q_bars.index(1), (it & 1) ^ 1)  # Q buffer free (a fresh barrier passes parity 1)
             _issue_q(q_ptr, q_v, q_r, stride_qt, stride_qh, mb, tok0, H, n_heads, GROUPED, HAS_PE)
             async_copy.mbarrier_arrive(q_bars.index(0), increment_count=False)
-            for j in range(n_pre, n_tiles):
-                if KV_FP8:
-                    _gather_tile_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, c + j, ring_v, ring_r,
-                                     ready, empty, STAGES)
-                else:
+            if KV_FP8:
+                _gather_tiles_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, n_pre, n_tiles, c + n_pre,
+                                  ring_v, ring_r, ready, empty, STAGES)
+            else:
+                for j in range(n_pre, n_tiles):
                     _gather_tile(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, c + j, ring_v, ring_r,
                                  ready, empty, HAS_PE, STAGES)
             c += n_tiles
