@@ -8,7 +8,9 @@ pace shows. Timing-only (the ablated results are wrong by design).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import sys
 
 import torch
 
@@ -33,8 +35,13 @@ def main() -> None:
                     r["ablate"] = mask
                     rows.append(r)
     gluon_sm90.ABLATE = 0
+    from sparse_mla.bench.report import git_revision
+
+    meta = dict(command="python scripts/probe_fp8_producer.py " + " ".join(sys.argv[1:]), git_revision=git_revision(),
+                gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                fp8_producer_regs=gluon_sm90.FP8_PRODUCER_REGS)
     with open(a.json, "w") as f:
-        json.dump(rows, f, indent=1)
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print(f"{'ablate':>6} {'case':<16} {'variant':<6} {'ms':>8}")
     for r in rows:
         print(f"{r['ablate']:>6} {r['case']:<16} {r['variant']:<6} {r.get('ms', float('nan')):8.3f}")

@@ -182,106 +182,57 @@ if GLUON_IMPORT_ERROR is None:
         dst.slice(k * _FP8_CW, _FP8_CW, dim=1).store(v.to(dst.dtype))
 
     @gluon.jit
-    def _fp8_idx(rows_ptr, row_stride, gid, n_rows, j, layout: gl.constexpr):
-        """Row ids of tile j (positions past the list read as -1)."""
+    def _fp8_rows(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, layout: gl.constexpr):
+        """Byte pointers of tile j's fp8_ds_mla rows and their validity (positions past the list: invalid)."""
         pos = j * _BN + gl.arange(0, _BN, layout=layout)
-        return gl.load(rows_ptr + gid.to(gl.int64) * row_stride + pos, mask=pos < n_rows, other=-1)
-
-    @gluon.jit
-    def _fp8_rows(kv_ptr, stride_kvn, N, idx):
-        """Byte pointers of the rows and their validity (ids < 0 or >= N: invalid, never read)."""
+        idx = gl.load(rows_ptr + gid.to(gl.int64) * row_stride + pos, mask=pos < n_rows, other=-1)
         ok = (idx >= 0) & (idx < N)
         return kv_ptr + gl.where(ok, idx, 0).to(gl.int64) * stride_kvn, ok
 
     @gluon.jit
-    def _fp8_src(row_a, ok_a, row_b, ok_b, cols, m: gl.constexpr):
-        """Step m of a two-tile stream: NoPE chunk m of tile a (m < 8), else chunk m - 8 of tile b."""
-        if m < 8:
-            return _fp8_chunk(row_a, ok_a, cols, m)
-        else:
-            return _fp8_chunk(row_b, ok_b, cols, m - 8)
-
-    @gluon.jit
-    def _fp8_begin(ring_r, empty, c, row, ok, cols):
-        """Wait for the stage of the CTA's tile c to be free, then start its RoPE part (bf16) by cp.async."""
-        st = c % 2
-        mbarrier.wait(empty.index(st), ((c // 2) & 1) ^ 1)  # a fresh barrier passes parity 1
-        rope = (row + (_DV + 16)).to(gl.pointer_type(gl.bfloat16), bitcast=True)  # 2 x 16 B per thread
-        async_copy.async_copy_global_to_shared(ring_r.index(st), rope[:, None] + cols[None, :], mask=ok[:, None])
-        async_copy.commit_group()
-
-    @gluon.jit
-    def _fp8_end(ready, c):
-        """Tile c's stage is complete: stores fenced for wgmma, copies landed, then one arrive."""
-        fence_async_shared()  # st.shared (generic proxy) -> wgmma reads (async proxy)
-        async_copy.wait_group(0)
-        gl.thread_barrier()  # every producer thread's stores and copies are done ...
-        mbarrier.arrive(ready.index(c % 2), count=1)  # ... before one thread marks the stage ready
-
-    @gluon.jit
-    def _fp8_tiles(ring_v, ring_r, ready, empty, c, row_a, ok_a, row_b, ok_b, cols, TWO: gl.constexpr):
-        """The CTA's tile c (rows a), and with TWO tile c + 1 (rows b), as one stream of 64-column steps whose
-        loads run four steps ahead: tile b's first loads are in flight while tile a's last steps convert."""
-        n: gl.constexpr = 16 if TWO else 8
-        x0, s0 = _fp8_src(row_a, ok_a, row_b, ok_b, cols, 0)  # in flight during the wait
-        x1, s1 = _fp8_src(row_a, ok_a, row_b, ok_b, cols, 1)
-        x2, s2 = _fp8_src(row_a, ok_a, row_b, ok_b, cols, 2)
-        x3, s3 = _fp8_src(row_a, ok_a, row_b, ok_b, cols, 3)
-        _fp8_begin(ring_r, empty, c, row_a, ok_a, cols)
-        for k in gl.static_range(0, n, 4):
-            if k == 8:
-                _fp8_end(ready, c)
-                _fp8_begin(ring_r, empty, c + 1, row_b, ok_b, cols)
-            dst = ring_v.index((c + k // 8) % 2)
-            if k + 4 < n:
-                y0, t0 = _fp8_src(row_a, ok_a, row_b, ok_b, cols, k + 4)
-            _fp8_store(dst, x0, s0, k % 8)
-            if k + 5 < n:
-                y1, t1 = _fp8_src(row_a, ok_a, row_b, ok_b, cols, k + 5)
-            _fp8_store(dst, x1, s1, k % 8 + 1)
-            if k + 6 < n:
-                y2, t2 = _fp8_src(row_a, ok_a, row_b, ok_b, cols, k + 6)
-            _fp8_store(dst, x2, s2, k % 8 + 2)
-            if k + 7 < n:
-                y3, t3 = _fp8_src(row_a, ok_a, row_b, ok_b, cols, k + 7)
-            _fp8_store(dst, x3, s3, k % 8 + 3)
-            if k + 4 < n:
-                x0 = y0
-                s0 = t0
-                x1 = y1
-                s1 = t1
-                x2 = y2
-                s2 = t2
-                x3 = y3
-                s3 = t3
-        _fp8_end(ready, c + n // 8 - 1)
-
-    @gluon.jit
     def _gather_tiles_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j0, j1, c0, ring_v, ring_r, ready,
                           empty, STAGES: gl.constexpr):
-        """Tiles j0 .. j1 - 1 of list ``gid`` from an fp8_ds_mla cache into the ring (tile j is the CTA's tile
-        c0 + j - j0). Cache rows (``sparse_mla.kv_format``): 512 e4m3 NoPE values, 4 fp32 scales at byte 512, 64
-        bf16 RoPE values at byte 528; stride_kvn in bytes. The RoPE part lands by cp.async; the NoPE part takes
-        the register path (ld.global -> e4m3 -> fp32 x scale -> q's dtype -> st.shared) in 64-column steps, two
-        tiles at a time as one stream (``_fp8_tiles``), and the next pair's row ids load during this pair (so
-        the data loads never wait on an index load, and a load latency is paid once per pair, not per tile).
+        """Tiles j0 .. j1 - 1 of list ``gid`` from an fp8_ds_mla cache into the ring (tile j in stage
+        (c0 + j - j0) % STAGES). Cache rows (``sparse_mla.kv_format``): 512 e4m3 NoPE values, 4 fp32 scales at
+        byte 512, 64 bf16 RoPE values at byte 528; stride_kvn in bytes. The RoPE part lands by cp.async; the NoPE
+        part takes the register path (ld.global -> e4m3 -> fp32 x scale -> q's dtype -> st.shared) in 64-column
+        steps with the loads two steps ahead (a tile's first two steps load before its stage is free), and each
+        tile's row ids load one tile ahead (the data loads never wait on an index load).
         One arrive on ``ready`` (count 1) per tile once every producer thread's stores are fenced for wgmma and
         its copies have landed."""
-        gl.static_assert(STAGES == 2, "the FP8 producer fills a 2-stage ring")
         blk8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0])
         rows_l: gl.constexpr = gl.SliceLayout(1, blk8)
+        n_steps: gl.constexpr = _DV // _FP8_CW
         cols = gl.arange(0, _FP8_CW, layout=gl.SliceLayout(0, blk8))
-        idx_a = _fp8_idx(rows_ptr, row_stride, gid, n_rows, j0, rows_l)
-        idx_b = _fp8_idx(rows_ptr, row_stride, gid, n_rows, j0 + 1, rows_l)
-        for j in range(j0, j1 - 1, 2):
-            row_a, ok_a = _fp8_rows(kv_ptr, stride_kvn, N, idx_a)
-            row_b, ok_b = _fp8_rows(kv_ptr, stride_kvn, N, idx_b)
-            idx_a = _fp8_idx(rows_ptr, row_stride, gid, n_rows, j + 2, rows_l)  # the next pair's, used next time
-            idx_b = _fp8_idx(rows_ptr, row_stride, gid, n_rows, j + 3, rows_l)
-            _fp8_tiles(ring_v, ring_r, ready, empty, c0 + j - j0, row_a, ok_a, row_b, ok_b, cols, True)
-        if (j1 - j0) % 2 == 1:  # the last tile alone (idx_a holds its row ids)
-            row_a, ok_a = _fp8_rows(kv_ptr, stride_kvn, N, idx_a)
-            _fp8_tiles(ring_v, ring_r, ready, empty, c0 + j1 - 1 - j0, row_a, ok_a, row_a, ok_a, cols, False)
+        row, ok = _fp8_rows(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j0, rows_l)
+        for j in range(j0, j1):
+            st = (c0 + j - j0) % STAGES
+            x0, s0 = _fp8_chunk(row, ok, cols, 0)  # in flight during the wait
+            x1, s1 = _fp8_chunk(row, ok, cols, 1)
+            row_n, ok_n = _fp8_rows(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j + 1, rows_l)
+            mbarrier.wait(empty.index(st), (((c0 + j - j0) // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+            rope = (row + (_DV + 16)).to(gl.pointer_type(gl.bfloat16), bitcast=True)  # 2 x 16 B per thread
+            async_copy.async_copy_global_to_shared(ring_r.index(st), rope[:, None] + cols[None, :], mask=ok[:, None])
+            async_copy.commit_group()
+            dst = ring_v.index(st)
+            for k in gl.static_range(0, n_steps, 2):
+                if k + 2 < n_steps:
+                    x2, s2 = _fp8_chunk(row, ok, cols, k + 2)
+                _fp8_store(dst, x0, s0, k)
+                if k + 3 < n_steps:
+                    x3, s3 = _fp8_chunk(row, ok, cols, k + 3)
+                _fp8_store(dst, x1, s1, k + 1)
+                if k + 2 < n_steps:
+                    x0 = x2
+                    s0 = s2
+                    x1 = x3
+                    s1 = s3
+            fence_async_shared()  # st.shared (generic proxy) -> wgmma reads (async proxy)
+            async_copy.wait_group(0)
+            gl.thread_barrier()  # every producer thread's stores and copies are done ...
+            mbarrier.arrive(ready.index(st), count=1)  # ... before one thread marks the stage ready
+            row = row_n
+            ok = ok_n
 
     @gluon.jit
     def _producer_loop(q_ptr, kv_ptr, rows_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, stride_qt, stride_qh,
