@@ -198,10 +198,8 @@ if GLUON_IMPORT_ERROR is None:
         part takes the register path (ld.global -> e4m3 -> fp32 x scale -> q's dtype -> st.shared) in 64-column
         steps with the loads two steps ahead (a tile's first two steps load before its stage is free), and each
         tile's row ids load one tile ahead (the data loads never wait on an index load).
-        Two ready barriers per stage (``ready[2 * stage + h]``, count 1): h = 0 once NoPE columns 0..255 and the
-        RoPE part are in, h = 1 once columns 256..511 are, each arrived after every producer thread's stores are
-        fenced for wgmma (and its copies have landed): the consumers start Q.K^T on the first half while the
-        producer converts the second."""
+        One arrive on ``ready`` (count 1) per tile once every producer thread's stores are fenced for wgmma and
+        its copies have landed."""
         blk8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0])
         rows_l: gl.constexpr = gl.SliceLayout(1, blk8)
         n_steps: gl.constexpr = _DV // _FP8_CW
@@ -224,19 +222,15 @@ if GLUON_IMPORT_ERROR is None:
                 if k + 3 < n_steps:
                     x3, s3 = _fp8_chunk(row, ok, cols, k + 3)
                 _fp8_store(dst, x1, s1, k + 1)
-                if k + 2 == n_steps // 2:  # NoPE columns 0..255 and the RoPE part are in: the first half is ready
-                    fence_async_shared()  # st.shared (generic proxy) -> wgmma reads (async proxy)
-                    async_copy.wait_group(0)
-                    gl.thread_barrier()  # every producer thread's stores and copies are done ...
-                    mbarrier.arrive(ready.index(2 * st), count=1)  # ... before one thread marks the half ready
                 if k + 2 < n_steps:
                     x0 = x2
                     s0 = s2
                     x1 = x3
                     s1 = s3
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(ready.index(2 * st + 1), count=1)  # NoPE columns 256..511
+            fence_async_shared()  # st.shared (generic proxy) -> wgmma reads (async proxy)
+            async_copy.wait_group(0)
+            gl.thread_barrier()  # every producer thread's stores and copies are done ...
+            mbarrier.arrive(ready.index(st), count=1)  # ... before one thread marks the stage ready
             row = row_n
             ok = ok_n
 
@@ -307,7 +301,7 @@ if GLUON_IMPORT_ERROR is None:
                   mb, tok0, H, n_heads, out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, qk_scale, has_lse,
                   sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl,
                   GROUPED: gl.constexpr, HAS_PE: gl.constexpr, STAGES: gl.constexpr, ABLATE: gl.constexpr,
-                  O_VIA_SMEM: gl.constexpr, c0, KV_FP8: gl.constexpr = False):
+                  O_VIA_SMEM: gl.constexpr, c0):
         """Two warpgroups side by side (warps_per_cta [4, 2]): warpgroup w computes S[:, 32w:32w+32] and
         owns O[:, 256w:256w+256]; Triton exchanges the row max and P across them through shared memory."""
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
@@ -335,25 +329,10 @@ if GLUON_IMPORT_ERROR is None:
             else:
                 idx = gl.load(list_base + pos, mask=in_list, other=-1)
                 allowed = ((idx >= 0) & (idx < N))[None, :]
-            if KV_FP8:  # the producer marks each half of the NoPE columns ready (_gather_tiles_fp8)
-                mbarrier.wait(ready.index(2 * st), ((c0 + j) // STAGES) & 1)
-            else:
-                mbarrier.wait(ready.index(st), ((c0 + j) // STAGES) & 1)
+            mbarrier.wait(ready.index(st), ((c0 + j) // STAGES) & 1)
             fence_async_shared()  # cp.async writes (generic proxy) -> wgmma reads (async proxy)
             if ABLATE & 8:  # timing knob: no Q.K^T
                 s = s0
-                if KV_FP8:
-                    mbarrier.wait(ready.index(2 * st + 1), ((c0 + j) // STAGES) & 1)
-            elif KV_FP8:  # Q.K^T over the first half (and RoPE) while the producer converts the second
-                kv = ring_v.index(st)
-                s = warpgroup_mma(q_v.slice(0, _DV // 2, dim=1), kv.slice(0, _DV // 2, dim=1).permute((1, 0)), s0,
-                                  use_acc=False, is_async=True)
-                s = warpgroup_mma(q_r, ring_r.index(st).permute((1, 0)), s, is_async=True)
-                mbarrier.wait(ready.index(2 * st + 1), ((c0 + j) // STAGES) & 1)
-                fence_async_shared()
-                s = warpgroup_mma(q_v.slice(_DV // 2, _DV // 2, dim=1),
-                                  kv.slice(_DV // 2, _DV // 2, dim=1).permute((1, 0)), s, is_async=True)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
             else:
                 s = warpgroup_mma(q_v, ring_v.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
                 if HAS_PE:
@@ -411,7 +390,7 @@ if GLUON_IMPORT_ERROR is None:
                        glen_ptr, route_ptr, row_stride, N, H, K, m_blocks, group_heads, has_nrows, has_route, num_work,
                        out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, qk_scale, has_lse, sink_ptr, maxl_ptr,
                        stride_mt, has_sink, has_maxl, GROUPED: gl.constexpr, HAS_PE: gl.constexpr,
-                       STAGES: gl.constexpr, ABLATE: gl.constexpr, O_VIA_SMEM: gl.constexpr, KV_FP8: gl.constexpr):
+                       STAGES: gl.constexpr, ABLATE: gl.constexpr, O_VIA_SMEM: gl.constexpr):
         """Persistent consumers: per work item, wait for its Q, run the tiles, store, then free the Q buffer."""
         c = 0
         for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
@@ -424,7 +403,7 @@ if GLUON_IMPORT_ERROR is None:
             _consumer(q_v, q_r, ring_v, ring_r, ready, empty, rows_ptr, bits_ptr, row_stride, N, gid, n_rows, n_tiles,
                       mb, tok0, H, n_heads, out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, qk_scale, has_lse,
                       sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl, GROUPED, HAS_PE, STAGES, ABLATE, O_VIA_SMEM,
-                      c, KV_FP8)
+                      c)
             gl.thread_barrier()  # every consumer warp is done with Q (and the O staged through it) ...
             mbarrier.arrive(q_bars.index(1), count=1)  # ... before one thread frees it
             c += n_tiles
@@ -463,16 +442,12 @@ if GLUON_IMPORT_ERROR is None:
         else:  # placeholders, never read
             q_r = q_v
             ring_r = ring_v
-        if KV_FP8:  # two per stage: each half of the NoPE columns (_gather_tiles_fp8)
-            ready = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
-        else:
-            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # Q landed, Q free
         for i in gl.static_range(STAGES):
             if KV_FP8:
-                mbarrier.init(ready.index(2 * i), count=1)  # one arrive after the producer's barrier, per half
-                mbarrier.init(ready.index(2 * i + 1), count=1)
+                mbarrier.init(ready.index(i), count=1)  # one arrive after the producer's barrier
             else:
                 mbarrier.init(ready.index(i), count=PRODUCER_WARPS * 32)  # every producer thread arrives
             mbarrier.init(empty.index(i), count=1)  # one arrive by the consumer partition
@@ -483,8 +458,7 @@ if GLUON_IMPORT_ERROR is None:
             (_consumer_loop, (q_v, q_r, ring_v, ring_r, ready, empty, q_bars, rows_ptr, bits_ptr, nrows_ptr, gstart_ptr,
                               glen_ptr, route_ptr, row_stride, N, H, K, m_blocks, group_heads, has_nrows, has_route,
                               num_work, out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, qk_scale, has_lse, sink_ptr,
-                              maxl_ptr, stride_mt, has_sink, has_maxl, GROUPED, HAS_PE, STAGES, ABLATE, O_VIA_SMEM,
-                              KV_FP8)),
+                              maxl_ptr, stride_mt, has_sink, has_maxl, GROUPED, HAS_PE, STAGES, ABLATE, O_VIA_SMEM)),
             (_producer_loop, (q_ptr, kv_ptr, rows_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, stride_qt, stride_qh,
                               stride_kvn, row_stride, N, H, K, m_blocks, group_heads, has_nrows, has_route, num_work,
                               q_v, q_r, ring_v, ring_r, ready, empty, q_bars, GROUPED, HAS_PE, STAGES, KV_FP8)),
