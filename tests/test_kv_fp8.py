@@ -487,6 +487,44 @@ def test_gluon_fp8_grouped_matches_reference_and_twin(monkeypatch, H, lens):
     assert torch.isinf(ref_lse[T - 1]).all()
 
 
+@pytest.mark.gpu
+@requires_gluon_fp8
+def test_gluon_fp8_warmup_then_steps_compile_nothing_and_graph_replays():
+    """warmup(kv_format="fp8_ds_mla") compiles the Gluon FP8 variants a step uses (per token and grouped, other token
+    counts after it compile nothing), and a captured per-token call replays with new q equal to eager."""
+    from sparse_mla import SparseMLAWorkspace
+    from sparse_mla.integration.warmup import compiled_variant_counts, warmup
+
+    H, K, N, T_MAX = 64, 96, 500, 64
+    cache = FMT.quantize(spread_kv(N, seed=8))
+    ws = SparseMLAWorkspace(T_MAX, K, 128 // H, N, DEVICE)
+    warmup(H, 576, K, DTYPE, DEVICE, T_MAX, kv=cache, workspace=ws, converter=False, kv_format=FP8)
+    torch.cuda.synchronize()
+    before = compiled_variant_counts()
+    for T in (5, 33, 64):
+        q, _, idx = fp8_problem(T, H, K, N, seed=T)
+        for method in ("per_token", "grouped"):
+            sparse_mla_fwd(q, cache, idx, 0.05, method=method, return_lse=True, kv_format=FP8,
+                           **({"workspace": ws} if method == "grouped" else {}))
+    torch.cuda.synchronize()
+    after = compiled_variant_counts()
+    assert after == before, {k: (before.get(k), v) for k, v in after.items() if before.get(k) != v}
+
+    q, _, idx = fp8_problem(17, H, K, N, seed=9)
+    out, lse = poisoned_out(17, H)
+    sparse_mla_fwd(q, cache, idx, 0.05, out=out, lse=lse, kv_format=FP8)  # eager once (compiled already)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sparse_mla_fwd(q, cache, idx, 0.05, out=out, lse=lse, kv_format=FP8)
+    q.copy_(torch.randn(q.shape, generator=torch.Generator().manual_seed(4)).to(q))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    out_e, lse_e = poisoned_out(17, H)
+    sparse_mla_fwd(q, cache, idx, 0.05, out=out_e, lse=lse_e, kv_format=FP8)
+    assert torch.equal(out, out_e) and torch.equal(lse, lse_e)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The layer and the block-table path
 

@@ -190,7 +190,8 @@ def warmup(
             typed placeholders when absent, so its variant does not change).
         converter: also warm the block-table converter.
         kv_format: the engine's cache format, as passed to ``sparse_mla_fwd``: None, or "fp8_ds_mla" (then
-            d_qk must be 576, and kv, if given, is the FP8 cache; its variants are the Triton kernel's).
+            d_qk must be 576, and kv, if given, is the FP8 cache; its variants are the Gluon kernel's FP8 ones
+            where ``sparse_mla.mqa.backends`` picks it, else the Triton kernel's).
 
     Returns:
         WarmupReport(seconds, calls, new_variants).

@@ -23,6 +23,14 @@ The "split" kernel is persistent (``PERSISTENT``): one CTA per SM loops over the
 its producer loads each item's Q once the consumers have freed the buffer and gathers the item's first tiles
 while the consumers finish the previous one.
 
+FP8 cache (``KV_FP8``, kv the uint8 rows [N, 656] of an ``fp8_ds_mla`` cache, bf16 q, D_qk 576): the producer
+lands each row's 64 bf16 RoPE values by cp.async and dequantizes the 512 e4m3 NoPE values itself (register path:
+16-byte loads, the hardware e4m3 -> f16x2 conversion, x the row's fp32 tile scale, rounded to bf16, st.shared into
+the same ring), so the consumers are unchanged; ``FP8_PRODUCER_REGS`` registers per producer thread. Measured on the
+H200 it is ~1.7x faster than the Triton kernel's FP8 gather but 18-26% slower than this kernel on a bf16 cache
+(NOTES-GPU.md: the producer's extra traffic through the SM's L1 / shared-memory path competes with the consumers'
+shared-memory-bound Q.K^T).
+
 Shared memory (bf16/fp16, D_qk 576): Q 72 KB + 2 stages x 72 KB + scratch = 225,316 B of 232,448 (227 KB).
 
 The kernels are written against Triton's Gluon API of the versions in ``SUPPORTED_TRITON`` (the API
