@@ -23,8 +23,9 @@ Each row records the ``backend`` the selection point picked for it.
 Inputs (the protocol of ``scripts/bench_gluon.py``): T query tokens over N cache rows, query i taking topk
 distinct uniform rows of [0, N - T + i] per token; grouped: the "mid" synthetic top-k of N - T cached + T new
 tokens. Every row: ms (``timing.time_trials``: do_bench median, L2 flushed), useful TFLOP/s (2 H valid
-(576 + 512) per query), the roofline floor (790 TFLOP/s or the gathered bytes at 4.3 TB/s: 1152 B per row for
-bf16, 656 for FP8), and the largest per-(token, head) relative error on sampled tokens against the fp32
+(576 + 512) per query), the roofline floor (the larger of the computed FLOPs at 790 TFLOP/s and the gathered
+bytes at 4.3 TB/s: 1152 B per row for bf16, 656 for FP8; per token every valid row of every query, grouped the
+groups' union rows once on the 128-pseudo-head tile), and the largest per-(token, head) relative error on sampled tokens against the fp32
 reference of the cache it read (``max_row_err``: the dequantized cache for ``fp8`` / ``dequant+bf16``) and
 against the bf16 cache's (``max_row_err_vs_bf16_cache``: the quantization's own effect). Without a GPU it runs
 tiny sizes through the Triton interpreter (fp16; not performance numbers).
@@ -119,6 +120,11 @@ def run_case(kind: str, H: int, T: int, K: int, N: int, *, dtype: torch.dtype, d
                                                         lse, config=config)
     valid = int(((idx >= 0) & (idx < N)).sum()) if tlen is None else int(tlen.clamp(0, K).sum())
     useful = 2 * H * valid * (D_QK + D_V)
+    if kind == "per_token":  # the floor's work: every valid row of every query, gathered once per query
+        gathered, computed = valid, useful
+    else:  # a group's union rows, gathered once, on the 128-pseudo-head tile
+        gathered = int(ul.clamp_min(0).sum())
+        computed = 2 * 128 * gathered * (D_QK + D_V)
     toks = torch.randperm(T, generator=gen, device=device)[:min(T, 32)]
     tl_s = None if tlen is None else tlen[toks]
     ref16, _ = sparse_mla_ref(q[toks], kv, idx[toks], sm, topk_length=tl_s)
@@ -161,7 +167,7 @@ def run_case(kind: str, H: int, T: int, K: int, N: int, *, dtype: torch.dtype, d
                 print(rec, flush=True)
                 continue
             rec["tflops"] = useful / (rec["ms"] * 1e-3) / 1e12
-            rec["floor_ms"] = max(useful / (PEAK_TFLOPS * 1e12), valid * row_bytes / (HBM_TBS * 1e12)) * 1e3
+            rec["floor_ms"] = max(computed / (PEAK_TFLOPS * 1e12), gathered * row_bytes / (HBM_TBS * 1e12)) * 1e3
             if name == "dequant+bf16":
                 rec["dequant_ms"] = time_trials(lambda: FP8_DS_MLA.dequantize(cache, dtype, out=workspace),
                                                 on_gpu=on_gpu, trials=trials)["ms"]
