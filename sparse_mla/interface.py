@@ -99,9 +99,9 @@ def sparse_mla_fwd(
             with no valid row. Not returned; read the tensor you passed.
         kv_format: None (default: kv holds latent rows in q's dtype) or "fp8_ds_mla" (FlashMLA's /
             vLLM's FP8 cache: per row 512 float8_e4m3 kv_c values, 4 float32 scales, 64 bf16 k_pe;
-            ``sparse_mla.kv_format``). Explicit, never inferred from kv's dtype. The FP8 cache runs the
-            portable Triton kernel (``sparse_mla.mqa.backends``: the Gluon kernel takes bf16 / fp16 caches
-            only), dequantizing each gathered row in registers.
+            ``sparse_mla.kv_format``). Explicit, never inferred from kv's dtype. Each gathered row is dequantized
+            in the kernel: on Hopper with bf16 q by the Gluon kernel's producer warps, elsewhere (fp16 q, other
+            GPUs, the interpreter) by the portable Triton kernel (``sparse_mla.mqa.backends``).
 
     Conventions (this API): a query with no valid row gets out 0, lse -inf, max_logits -inf.
     ``sparse_mla.flash_mla_sparse_fwd`` is the FlashMLA-compatible call (its shapes, lse +inf there).

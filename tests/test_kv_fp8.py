@@ -269,45 +269,92 @@ def test_bad_fp8_calls_raise_before_any_launch(kind, exc, match, monkeypatch):
 # Backend selection (plain Python)
 
 
-def test_fp8_cache_backend_reasons(monkeypatch):
-    """An fp8_ds_mla cache may run the Gluon kernel with bf16 q on the split schedule; fp16 q or the pair schedule
-    fall back to Triton with the reason, and forcing gluon_sm90 there raises it. (On a machine where Gluon does not
-    apply at all, its device reason comes first.)"""
+@pytest.fixture
+def hopper(monkeypatch):
+    """Pretend the tensors live on an sm_90 GPU with a supported triton, outside the interpreter (as
+    tests/test_mqa_backends.py does), so the FP8 branch of the selection runs on a CPU."""
     from sparse_mla.mqa import backends, gluon_sm90
 
-    q16 = torch.zeros(4, 64, 576, dtype=torch.float16, device=DEVICE)
-    qb = torch.zeros(4, 64, 576, dtype=torch.bfloat16, device=DEVICE)
-    rows = FMT.as_rows(torch.zeros(32, 656, dtype=torch.uint8, device=DEVICE))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    monkeypatch.setattr(backends, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(gluon_sm90, "triton_version_supported", lambda version=None: True)
+    if gluon_sm90.GLUON_IMPORT_ERROR is not None:
+        monkeypatch.setattr(gluon_sm90, "GLUON_IMPORT_ERROR", None)
     monkeypatch.setattr(gluon_sm90, "SCHEDULE", "split")
-    assert backends.fp8_kv_reason(qb) is None
-    assert "bf16 q" in backends.fp8_kv_reason(q16)
-    monkeypatch.setattr(gluon_sm90, "SCHEDULE", "pair")
-    assert "no FP8 variant" in backends.fp8_kv_reason(qb)
-    monkeypatch.setattr(gluon_sm90, "SCHEDULE", "split")
-    ok, why = backends.gluon_sm90_applies(q16, rows)
-    dev_ok, dev_why = backends.gluon_sm90_device_applies(q16.device, q16.dtype)
-    assert not ok and why == (backends.fp8_kv_reason(q16) if dev_ok else dev_why)
-    for env in ("auto", "triton"):
-        monkeypatch.setenv(backends.ENV_VAR, env)
-        name, why = backends.select_backend(q16, rows)
-        assert name == "triton", why
+
+
+def _fp8_selection_inputs(dtype=torch.bfloat16, d_qk=576):
+    q = torch.zeros(4, 64, d_qk, dtype=dtype)
+    return q, FMT.as_rows(torch.zeros(32, 656, dtype=torch.uint8))
+
+
+def test_fp8_cache_selects_gluon_with_bf16_q_on_hopper(hopper):
+    from sparse_mla.mqa import backends
+
+    q, rows = _fp8_selection_inputs()
+    assert backends.fp8_kv_reason(q.dtype, q.shape[-1]) is None
+    assert backends.gluon_sm90_applies(q, rows)[0]
+    name, why = backends.select_backend(q, rows)
+    assert name == "gluon_sm90", why
+    assert backends.select_backend(q[:, :16], rows, pseudo_heads=128)[0] == "gluon_sm90"  # grouped tile
+
+
+@pytest.mark.parametrize("case, match", [
+    pytest.param("fp16", "takes bf16 q", id="fp16-q"),
+    pytest.param("pair", "has no FP8 variant", id="pair-schedule"),
+    pytest.param("d512", "rows are 576 wide", id="d_qk-512"),
+])
+def test_fp8_cache_falls_back_to_triton_with_the_reason(hopper, monkeypatch, case, match):
+    """fp16 q, the pair schedule or a D_qk other than 576 with an FP8 cache: auto runs Triton and says why, a forced
+    gluon_sm90 raises the same reason (before any launch)."""
+    from sparse_mla.mqa import backends, gluon_sm90
+
+    q, rows = _fp8_selection_inputs(torch.float16 if case == "fp16" else torch.bfloat16, 512 if case == "d512" else 576)
+    if case == "pair":
+        monkeypatch.setattr(gluon_sm90, "SCHEDULE", "pair")
+    ok, why = backends.gluon_sm90_applies(q, rows)
+    assert not ok and match in why
+    name, why = backends.select_backend(q, rows)
+    assert name == "triton" and match in why
     monkeypatch.setenv(backends.ENV_VAR, "gluon_sm90")
-    with pytest.raises(ValueError, match="does not apply"):
-        backends.select_backend(q16, rows)
-    with pytest.raises(ValueError, match="does not apply"):
-        sparse_mla_fwd(q16[:1, :16], rows, torch.zeros(1, 4, dtype=torch.int32, device=DEVICE), 0.1, kv_format=FP8)
+    with pytest.raises(ValueError, match=match):
+        backends.select_backend(q, rows)
 
 
-def test_explain_names_the_fp8_attention_backend():
+def test_fp8_kernel_variants_refuse_what_they_cannot_run():
+    from sparse_mla.mqa import gluon_sm90
+
+    with pytest.raises(ValueError, match="576"):
+        gluon_sm90.variant_constexprs(False, False, "split", kv_fp8=True)
+    with pytest.raises(ValueError, match="pair schedule"):
+        gluon_sm90.variant_constexprs(False, True, "pair", kv_fp8=True)
+    assert gluon_sm90.variant_constexprs(True, True, "split", kv_fp8=True)["KV_FP8"]
+
+
+def test_fp8_cache_on_this_machine_and_forced_gluon(monkeypatch):
+    """Off Hopper (CPU here) the device reason comes first, and forcing gluon_sm90 raises it."""
+    from sparse_mla.mqa import backends
+
+    q = torch.zeros(4, 64, 576, dtype=DTYPE, device=DEVICE)
+    rows = FMT.as_rows(torch.zeros(32, 656, dtype=torch.uint8, device=DEVICE))
+    dev_ok, dev_why = backends.gluon_sm90_device_applies(q.device, q.dtype)
+    if not dev_ok:
+        assert backends.gluon_sm90_applies(q, rows) == (False, dev_why)
+        monkeypatch.setenv(backends.ENV_VAR, "gluon_sm90")
+        with pytest.raises(ValueError, match="does not apply"):
+            sparse_mla_fwd(q[:1, :16], rows, torch.zeros(1, 4, dtype=torch.int32, device=DEVICE), 0.1, kv_format=FP8)
+    monkeypatch.setenv(backends.ENV_VAR, "triton")
+    assert backends.select_backend(q, rows)[0] == "triton"
+
+
+def test_explain_names_the_fp8_attention_backend(hopper):
     from sparse_mla.layer import PrefillStep, explain
-    from sparse_mla.mqa.backends import describe_for_device
 
     d = explain(PrefillStep(16, 512, 128, 64, 128, 64, (100,), (20,), kv_format=FP8))
-    assert d.attention_backend == describe_for_device(num_heads=16, num_tokens=20, kv_fp8=True)
-    if not torch.cuda.is_available():
-        assert d.attention_backend.startswith("attention backend: triton (gluon_sm90 does not apply")
-    else:
-        assert "fp8_ds_mla" in d.attention_backend or "triton" in d.attention_backend
+    assert d.attention_backend.startswith("attention backend: gluon_sm90 (")
+    assert "fp8_ds_mla cache dequantized by the producer" in d.attention_backend
+    assert "dequantized by the producer" not in explain(PrefillStep(16, 512, 128, 64, 128, 64, (100,), (20,))).attention_backend
     with pytest.raises(ValueError, match="kv_format"):
         PrefillStep(16, 512, 128, 64, 128, 64, (100,), (20,), kv_format="int8")
 
@@ -489,14 +536,52 @@ def test_gluon_fp8_grouped_matches_reference_and_twin(monkeypatch, H, lens):
 
 @pytest.mark.gpu
 @requires_gluon_fp8
-def test_gluon_fp8_warmup_then_steps_compile_nothing_and_graph_replays():
+@pytest.mark.parametrize("method", ["per_token", "grouped"])
+def test_gluon_fp8_persistent_ctas_walk_many_items(monkeypatch, method):
+    """Three persistent CTAs for dozens of work items (the ring's phases carried across items, the next item's first
+    tiles and Q loaded during the previous item), with tile counts from 0 to 5 per list (topk_length)."""
+    from sparse_mla.mqa import gluon_sm90
+
+    H, K, N, T = 64, 300, 2000, 37
+    q, cache, idx = fp8_problem(T, H, K, N, seed=77)
+    g = torch.Generator().manual_seed(78)
+    tl_ = torch.randint(0, K + 1, (T,), generator=g).to(torch.int32)
+    tl_[::7] = 0
+    tl_ = tl_.to(DEVICE)
+    launches = []
+    real_launch = gluon_sm90.launch
+
+    def counting_launch(q_, kv_, *args, **kwargs):
+        launches.append(kv_.dtype)
+        return real_launch(q_, kv_, *args, **kwargs)
+
+    monkeypatch.setattr(gluon_sm90, "launch", counting_launch)
+    monkeypatch.setitem(gluon_sm90._NUM_SMS, str(q.device), 3)
+    kw = dict(method=method) | ({"cu_seqlens_q": cu_seqlens([20, 17]), "overlap_guard": None} if method == "grouped"
+                                 else {})
+    _fp8_backend_pair(monkeypatch, q, cache, idx, 0.04, topk_length=tl_, **kw)
+    assert torch.uint8 in launches, "the Gluon FP8 variant did not run"
+
+
+@pytest.mark.gpu
+@requires_gluon_fp8
+def test_gluon_fp8_warmup_then_steps_compile_nothing_and_graph_replays(monkeypatch):
     """warmup(kv_format="fp8_ds_mla") compiles the Gluon FP8 variants a step uses (per token and grouped, other token
     counts after it compile nothing), and a captured per-token call replays with new q equal to eager."""
     from sparse_mla import SparseMLAWorkspace
     from sparse_mla.integration.warmup import compiled_variant_counts, warmup
+    from sparse_mla.mqa import gluon_sm90
 
     H, K, N, T_MAX = 64, 96, 500, 64
     cache = FMT.quantize(spread_kv(N, seed=8))
+    launches = []
+    real_launch = gluon_sm90.launch
+
+    def counting_launch(q_, kv_, *args, **kwargs):
+        launches.append(kv_.dtype)
+        return real_launch(q_, kv_, *args, **kwargs)
+
+    monkeypatch.setattr(gluon_sm90, "launch", counting_launch)
     ws = SparseMLAWorkspace(T_MAX, K, 128 // H, N, DEVICE)
     warmup(H, 576, K, DTYPE, DEVICE, T_MAX, kv=cache, workspace=ws, converter=False, kv_format=FP8)
     torch.cuda.synchronize()
@@ -509,6 +594,7 @@ def test_gluon_fp8_warmup_then_steps_compile_nothing_and_graph_replays():
     torch.cuda.synchronize()
     after = compiled_variant_counts()
     assert after == before, {k: (before.get(k), v) for k, v in after.items() if before.get(k) != v}
+    assert launches.count(torch.uint8) >= 6, "the steps did not run the Gluon FP8 variant"
 
     q, _, idx = fp8_problem(17, H, K, N, seed=9)
     out, lse = poisoned_out(17, H)

@@ -7,8 +7,8 @@ and not timed, as ``scripts/bench_gluon.py`` times it), the rows:
 
 * ``bf16``: the bf16 cache through the selection point (``sparse_mla.mqa.backends``: the Gluon kernel where it
   applies, on an H200 at >= 32 pseudo-heads per tile).
-* ``bf16 triton``: the bf16 cache forced onto the Triton kernel (the kernel the FP8 cache runs: the cost of the
-  in-register dequantization alone is ``fp8`` against this).
+* ``bf16 triton``: the bf16 cache forced onto the Triton kernel (the cost of that kernel's in-register
+  dequantization alone is ``fp8 triton`` against this).
 * ``fp8``: the FP8 cache through the selection point (on an H200 with bf16 q: the Gluon kernel, whose producer
   dequantizes in registers; elsewhere the Triton kernel with ``KV_FP8``).
 * ``fp8 triton``: the FP8 cache forced onto the Triton kernel (``triton_tl.LAUNCH_CONFIGS_FP8``).
@@ -20,15 +20,15 @@ and not timed, as ``scripts/bench_gluon.py`` times it), the rows:
 
 Each row records the ``backend`` the selection point picked for it.
 
-Inputs (the protocol of ``scripts/bench_gluon.py``): T query tokens over N cache rows, query i taking topk
-distinct uniform rows of [0, N - T + i] per token; grouped: the "mid" synthetic top-k of N - T cached + T new
-tokens. Every row: ms (``timing.time_trials``: do_bench median, L2 flushed), useful TFLOP/s (2 H valid
-(576 + 512) per query), the roofline floor (the larger of the computed FLOPs at 790 TFLOP/s and the gathered
-bytes at 4.3 TB/s: 1152 B per row for bf16, 656 for FP8; per token every valid row of every query, grouped the
-groups' union rows once on the 128-pseudo-head tile), and the largest per-(token, head) relative error on sampled tokens against the fp32
-reference of the cache it read (``max_row_err``: the dequantized cache for ``fp8`` / ``dequant+bf16``) and
-against the bf16 cache's (``max_row_err_vs_bf16_cache``: the quantization's own effect). Without a GPU it runs
-tiny sizes through the Triton interpreter (fp16; not performance numbers).
+Inputs (the protocol of ``scripts/bench_gluon.py``): T query tokens over N cache rows, query i taking topk distinct
+uniform rows of [0, N - T + i] per token; grouped: the "mid" synthetic top-k of N - T cached + T new tokens. Every
+row: ms (``timing.time_trials``: do_bench median, L2 flushed), useful TFLOP/s (2 H valid (576 + 512) per query),
+the roofline floor (the larger of the computed FLOPs at 790 TFLOP/s and the gathered bytes at 4.3 TB/s: 1152 B per
+row for bf16, 656 for FP8; per token every valid row of every query, grouped the groups' union rows once on the
+128-pseudo-head tile), and the largest per-(token, head) relative error on sampled tokens against the fp32
+reference of the cache it read (``max_row_err``: the dequantized cache for ``fp8`` / ``dequant+bf16``) and against
+the bf16 cache's (``max_row_err_vs_bf16_cache``: the quantization's own effect). Without a GPU it runs tiny sizes
+through the Triton interpreter (fp16; not performance numbers).
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def run_case(kind: str, H: int, T: int, K: int, N: int, *, dtype: torch.dtype, d
         gathered, computed = valid, useful
     else:  # a group's union rows, gathered once, on the 128-pseudo-head tile
         gathered = int(ul.clamp_min(0).sum())
-        computed = 2 * 128 * gathered * (D_QK + D_V)
+        computed = 2 * G * H * gathered * (D_QK + D_V)
     toks = torch.randperm(T, generator=gen, device=device)[:min(T, 32)]
     tl_s = None if tlen is None else tlen[toks]
     ref16, _ = sparse_mla_ref(q[toks], kv, idx[toks], sm, topk_length=tl_s)
@@ -145,7 +145,7 @@ def run_case(kind: str, H: int, T: int, K: int, N: int, *, dtype: torch.dtype, d
     if sweep:
         variants += [(f"fp8 triton cfg={bn}/{w}/{s}", "triton", rows8, launch(rows8, (bn, w, s)), ref8, fp8b)
                      for bn, w, s in SWEEP_CONFIGS]
-    pseudo_heads = H if kind == "per_token" else 128
+    pseudo_heads = H if kind == "per_token" else G * H
     out_rows = []
     env_before = os.environ.get(backends.ENV_VAR)
     try:

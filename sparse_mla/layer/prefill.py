@@ -84,9 +84,9 @@ def dsa_prefill(
             contiguous (written and returned).
         kv_format: None (kv / kv_c / k_pe hold rows in q's dtype) or "fp8_ds_mla" (FlashMLA's / vLLM's FP8
             cache; explicit, never inferred from the dtype). Every path then computes the definition on the
-            cache dequantized to q's dtype: the MQA paths dequantize each gathered row in the Triton kernel
-            (the Gluon one takes bf16 / fp16 caches only), the MHA paths dequantize the request windows'
-            rows with torch first. The dispatcher's thresholds were measured with bf16 caches.
+            cache dequantized to q's dtype: the MQA paths dequantize each gathered row in the kernel (the Gluon
+            kernel's producer on Hopper with bf16 q, else the Triton kernel), the MHA paths dequantize the
+            request windows' rows with torch first. The dispatcher's thresholds were measured with bf16 caches.
         return_decision: also return the ``PathDecision`` (path, reason, supports table; its backend
             descriptions are left empty: ``explain(step)`` fills them).
 

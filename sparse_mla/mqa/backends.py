@@ -31,15 +31,18 @@ BACKENDS = ("triton", "gluon_sm90")
 ENV_VAR = "SPARSE_MLA_MQA_BACKEND"
 
 
-def fp8_kv_reason(q: torch.Tensor) -> str | None:
-    """Why the Gluon kernel cannot take an fp8_ds_mla cache with this q, or None when it can."""
+def fp8_kv_reason(dtype: torch.dtype, d_qk: int = 576) -> str | None:
+    """Why the Gluon kernel cannot take an fp8_ds_mla cache with q of this dtype and head dim (D_qk), or None
+    when it can (the split schedule, bf16 q, D_qk 576)."""
     from . import gluon_sm90
 
     if gluon_sm90.SCHEDULE not in gluon_sm90.FP8_SCHEDULES:
         return (f"kv is an fp8_ds_mla cache and SPARSE_MLA_GLUON_SCHEDULE={gluon_sm90.SCHEDULE} has no FP8 variant "
                 f"(only {', '.join(gluon_sm90.FP8_SCHEDULES)})")
-    if q.dtype != torch.bfloat16:
-        return f"kv is an fp8_ds_mla cache and q is {q.dtype}: the Gluon FP8 variant takes bf16 q (bf16 RoPE rows)"
+    if dtype != torch.bfloat16:
+        return f"kv is an fp8_ds_mla cache and q is {dtype}: the Gluon FP8 variant takes bf16 q (bf16 RoPE rows)"
+    if d_qk != 576:
+        return f"kv is an fp8_ds_mla cache and q has D_qk {d_qk}: the format's rows are 576 wide"
     return None
 
 
@@ -82,7 +85,7 @@ def gluon_sm90_applies(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | No
     if not ok:
         return ok, why
     if kv.dtype == torch.uint8:  # the validated byte rows [N, 656] of kv_format="fp8_ds_mla" (sparse_mla.kv_format)
-        fp8_why = fp8_kv_reason(q)
+        fp8_why = fp8_kv_reason(q.dtype, q.shape[-1])
         if fp8_why is not None:
             return False, fp8_why
     tensors = [("q", q, (0, 1)), ("kv", kv, (0, ))] + ([("out", out, (0, 1))] if out is not None else [])
@@ -161,8 +164,9 @@ def describe_for_device(device: torch.device | None = None, dtype: torch.dtype =
     forced = os.environ.get(ENV_VAR, "auto").strip() or "auto"
     ok, why = gluon_sm90_device_applies(device, dtype)
     if ok and kv_fp8:
-        fp8_why = fp8_kv_reason(torch.empty(0, dtype=dtype))
-        ok, why = (True, why + ", fp8_ds_mla cache dequantized by the producer") if fp8_why is None else (False, fp8_why)
+        fp8_why = fp8_kv_reason(dtype)
+        ok, why = ((True, why + f", fp8_ds_mla cache dequantized by the producer with {dtype} q (fp16 q: triton)")
+                   if fp8_why is None else (False, fp8_why))
     if forced != "auto":
         return f"attention backend: {forced} (forced by {ENV_VAR}; gluon_sm90 {'applies' if ok else 'n/a: ' + why})"
     if not ok:

@@ -27,7 +27,7 @@ FP8 cache (``KV_FP8``, kv the uint8 rows [N, 656] of an ``fp8_ds_mla`` cache, bf
 lands each row's 64 bf16 RoPE values by cp.async and dequantizes the 512 e4m3 NoPE values itself (register path:
 16-byte loads, the hardware e4m3 -> f16x2 conversion, x the row's fp32 tile scale, rounded to bf16, st.shared into
 the same ring), so the consumers are unchanged; ``FP8_PRODUCER_REGS`` registers per producer thread. Measured on the
-H200 it is ~1.7x faster than the Triton kernel's FP8 gather but 18-26% slower than this kernel on a bf16 cache
+H200 it is ~1.7x faster than the Triton kernel's FP8 gather but runs at 0.79-0.81x of this kernel on a bf16 cache
 (NOTES-GPU.md: the producer's extra traffic through the SM's L1 / shared-memory path competes with the consumers'
 shared-memory-bound Q.K^T).
 
@@ -44,6 +44,8 @@ from __future__ import annotations
 import os
 
 import triton
+
+from ..kv_format import FP8_DS_MLA
 
 SUPPORTED_TRITON = ("3.6",)  # major.minor of triton whose Gluon API these kernels are written against
 SUPPORTS_SINK = True  # attn_sink / max_logits computed in the kernel (sparse_mla.mqa.backends reads this)
@@ -82,6 +84,11 @@ if GLUON_IMPORT_ERROR is None:
     _DV = gl.constexpr(D_V)
     _DPE = gl.constexpr(D_PE)
     _LN2 = gl.constexpr(0.6931471805599453)
+    # fp8_ds_mla row layout (sparse_mla.kv_format): fp32 scales at byte _FP8_SCALES, one per _FP8_TILE NoPE values;
+    # the bf16 RoPE part at byte _FP8_ROPE
+    _FP8_SCALES = gl.constexpr(FP8_DS_MLA.scale_offset)
+    _FP8_ROPE = gl.constexpr(FP8_DS_MLA.rope_offset)
+    _FP8_TILE = gl.constexpr(FP8_DS_MLA.tile_size)
 
     @gluon.jit
     def _tile_rows(rows_ptr, row_stride, gid, n_rows, j):
@@ -180,7 +187,7 @@ if GLUON_IMPORT_ERROR is None:
         """NoPE columns [64k, 64k + 64) of the tile's fp8_ds_mla rows (uint8, 16 B per thread) and their fp32
         scale (invalid rows: 0 and 0, so the stored values are finite zeros)."""
         x = gl.load(row[:, None] + (k * _FP8_CW + cols)[None, :], mask=ok[:, None], other=0)
-        scale = (row + (_DV + 4 * ((k * _FP8_CW) // 128))).to(gl.pointer_type(gl.float32), bitcast=True)
+        scale = (row + (_FP8_SCALES + 4 * ((k * _FP8_CW) // _FP8_TILE))).to(gl.pointer_type(gl.float32), bitcast=True)
         return x, gl.load(scale, mask=ok, other=0.0)
 
     @gluon.jit
@@ -219,7 +226,7 @@ if GLUON_IMPORT_ERROR is None:
             x1, s1 = _fp8_chunk(row, ok, cols, 1)
             row_n, ok_n = _fp8_rows(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j + 1, rows_l)
             mbarrier.wait(empty.index(st), (((c0 + j - j0) // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
-            rope = (row + (_DV + 16)).to(gl.pointer_type(gl.bfloat16), bitcast=True)  # 2 x 16 B per thread
+            rope = (row + _FP8_ROPE).to(gl.pointer_type(gl.bfloat16), bitcast=True)  # 2 x 16 B per thread
             async_copy.async_copy_global_to_shared(ring_r.index(st), rope[:, None] + cols[None, :], mask=ok[:, None])
             async_copy.commit_group()
             dst = ring_v.index(st)
@@ -737,6 +744,8 @@ def variant_constexprs(grouped: bool, has_pe: bool, schedule: str | None = None,
     """The compile-time parameters of one kernel variant (everything else is a run-time argument, so the
     package launches 2 modes x 2 D_qk x 2 dtypes = 8 variants per schedule, plus the split schedule's 2 modes
     on an fp8_ds_mla cache with bf16 q; each compiled for sm_90 in CI)."""
+    if kv_fp8 and not has_pe:
+        raise ValueError("an fp8_ds_mla variant needs D_qk 576 (has_pe): the format's rows are 576 wide")
     if (schedule or SCHEDULE) == "split":
         return dict(GROUPED=grouped, HAS_PE=has_pe, STAGES=STAGES, PRODUCER_WARPS=PRODUCER_WARPS,
                     PRODUCER_REGS=FP8_PRODUCER_REGS if kv_fp8 else PRODUCER_REGS, ABLATE=ABLATE,
@@ -792,6 +801,9 @@ def launch(q, kv, rows, bits, nrows, group_start, group_len, route, out, lse, sm
     import torch
 
     T, H, D = q.shape
+    kv_fp8 = kv.dtype == torch.uint8
+    if kv_fp8 and (q.dtype != torch.bfloat16 or D != FP8_DS_MLA.d_qk):
+        raise ValueError(f"an fp8_ds_mla cache needs bf16 q with D_qk {FP8_DS_MLA.d_qk}, got {q.dtype}, {D}")
     if num_lists == 0:
         return
     m_blocks = num_m_blocks(group_heads)
@@ -809,7 +821,7 @@ def launch(q, kv, rows, bits, nrows, group_start, group_len, route, out, lse, sm
         int(nrows is not None), int(route is not None), int(lse is not None),
         attn_sink if attn_sink is not None else f32, max_logits if max_logits is not None else f32,
         max_logits.stride(0) if max_logits is not None else 0, int(attn_sink is not None), int(max_logits is not None),
-        num_work, **variant_constexprs(grouped, D > D_V, kv_fp8=kv.dtype == torch.uint8),
+        num_work, **variant_constexprs(grouped, D > D_V, kv_fp8=kv_fp8),
     )
 
 
