@@ -298,6 +298,10 @@ def test_fp8_cache_selects_gluon_with_bf16_q_on_hopper(hopper):
     name, why = backends.select_backend(q, rows)
     assert name == "gluon_sm90", why
     assert backends.select_backend(q[:, :16], rows, pseudo_heads=128)[0] == "gluon_sm90"  # grouped tile
+    # few heads on many tokens: the Triton kernel's small tiles win on a bf16 cache, not on an FP8 one
+    q16 = torch.zeros(backends.GLUON_FEW_HEADS_MAX_TOKENS + 1, 16, 576, dtype=torch.bfloat16)
+    assert backends.select_backend(q16, rows)[0] == "gluon_sm90"
+    assert backends.select_backend(q16, torch.zeros(100, 576, dtype=torch.bfloat16))[0] == "triton"
 
 
 @pytest.mark.parametrize("case, match", [

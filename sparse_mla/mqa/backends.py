@@ -111,6 +111,9 @@ GLUON_MIN_PSEUDO_HEADS = 32
 # an A/B of the kernels; the next run, results/bench.json, has per token on Gluon at 0.89-1.39 ms, so per-call
 # overhead dominates there). Between 900 and 8192 tokens nothing was measured.
 GLUON_FEW_HEADS_MAX_TOKENS = 1024
+# Neither rule applies to an fp8_ds_mla cache: the Triton kernel's FP8 gather at 16 heads per token ran 15.7 ms for
+# 8192 tokens (glm-5 / TP4 layer, results/bench-fp8.json, rev cf14b70) against 4.65 ms on a bf16 cache, so FP8 caches
+# take the Gluon kernel at every head count where it applies.
 
 
 def select_backend(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None = None,
@@ -119,7 +122,7 @@ def select_backend(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None =
 
     ``pseudo_heads``: rows of one attention tile (H per token; G * H grouped; default H). Automatic
     selection takes the Gluon kernel from ``GLUON_MIN_PSEUDO_HEADS`` up, and below that only for steps of at
-    most ``GLUON_FEW_HEADS_MAX_TOKENS`` tokens.
+    most ``GLUON_FEW_HEADS_MAX_TOKENS`` tokens (an fp8_ds_mla cache: at every head count).
 
     Raises:
         ValueError: the variable names an unknown backend, or forces one that does not apply here.
@@ -137,7 +140,7 @@ def select_backend(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None =
     if not ok:
         return "triton", f"gluon_sm90 does not apply: {why}"
     rows = q.shape[1] if pseudo_heads is None else pseudo_heads
-    if rows < GLUON_MIN_PSEUDO_HEADS and q.shape[0] > GLUON_FEW_HEADS_MAX_TOKENS:
+    if rows < GLUON_MIN_PSEUDO_HEADS and q.shape[0] > GLUON_FEW_HEADS_MAX_TOKENS and kv.dtype != torch.uint8:
         return "triton", (f"{rows} pseudo-heads per tile < {GLUON_MIN_PSEUDO_HEADS} on {q.shape[0]} > "
                           f"{GLUON_FEW_HEADS_MAX_TOKENS} tokens: the Triton kernel's smaller tiles are faster there "
                           "(H200, results/gluon-v3.json)")
@@ -172,7 +175,7 @@ def describe_for_device(device: torch.device | None = None, dtype: torch.dtype =
     if not ok:
         return f"attention backend: triton (gluon_sm90 does not apply: {why})"
     if (num_heads is not None and num_tokens is not None and num_heads < GLUON_MIN_PSEUDO_HEADS
-            and num_tokens > GLUON_FEW_HEADS_MAX_TOKENS):
+            and num_tokens > GLUON_FEW_HEADS_MAX_TOKENS and not kv_fp8):
         return (f"attention backend: gluon_sm90 for grouped tiles, triton per token ({num_heads} heads < "
                 f"{GLUON_MIN_PSEUDO_HEADS} on {num_tokens} > {GLUON_FEW_HEADS_MAX_TOKENS} tokens; {why})")
     return f"attention backend: gluon_sm90 ({why})"
