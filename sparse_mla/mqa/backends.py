@@ -112,7 +112,7 @@ GLUON_MIN_PSEUDO_HEADS = 32
 # overhead dominates there). Between 900 and 8192 tokens nothing was measured.
 GLUON_FEW_HEADS_MAX_TOKENS = 1024
 # Neither rule applies to an fp8_ds_mla cache: the Triton kernel's FP8 gather at 16 heads per token ran 15.7 ms for
-# 8192 tokens (glm-5 / TP4 layer, results/bench-fp8.json, rev cf14b70) against 4.65 ms on a bf16 cache, so FP8 caches
+# 8192 tokens (glm-5 / TP4 layer, results/bench-fp8-cf14b70.json) against 4.65 ms on a bf16 cache, so FP8 caches
 # take the Gluon kernel at every head count where it applies.
 
 

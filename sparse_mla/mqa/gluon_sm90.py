@@ -27,7 +27,7 @@ FP8 cache (``KV_FP8``, kv the uint8 rows [N, 656] of an ``fp8_ds_mla`` cache, bf
 lands each row's 64 bf16 RoPE values by cp.async and dequantizes the 512 e4m3 NoPE values itself (register path:
 16-byte loads, the hardware e4m3 -> f16x2 conversion, x the row's fp32 tile scale, rounded to bf16, st.shared into
 the same ring), so the consumers are unchanged; ``FP8_PRODUCER_REGS`` registers per producer thread. Measured on the
-H200 it is ~1.7x faster than the Triton kernel's FP8 gather but runs at 0.79-0.81x of this kernel on a bf16 cache
+H200 it is ~1.7x faster than the Triton kernel's FP8 gather but runs at ~0.8x of this kernel on a bf16 cache
 (NOTES-GPU.md: the producer's extra traffic through the SM's L1 / shared-memory path competes with the consumers'
 shared-memory-bound Q.K^T).
 
