@@ -28,3 +28,17 @@ def union_backend(request, monkeypatch) -> str:
             pytest.skip(f"the CUDA union builder cannot run here: {why}")
     monkeypatch.setenv(backends.ENV_VAR, request.param)
     return request.param
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """Pretend the tensors live on an sm_90 GPU with a supported triton, outside the interpreter, so the attention
+    backend selection (``sparse_mla.mqa.backends``) takes its Hopper branches as plain Python on a CPU."""
+    from sparse_mla.mqa import backends, gluon_sm90
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    monkeypatch.setattr(backends, "_capability", lambda device: (9, 0))
+    monkeypatch.setattr(gluon_sm90, "triton_version_supported", lambda version=None: True)
+    if gluon_sm90.GLUON_IMPORT_ERROR is not None:
+        monkeypatch.setattr(gluon_sm90, "GLUON_IMPORT_ERROR", None)

@@ -265,14 +265,8 @@ def test_top_level_export():
 # ------------------------------------------------------------------------------- backend selection (plain Python)
 
 @pytest.fixture
-def hopper(monkeypatch):
-    """Pretend the tensors live on an sm_90 GPU with a supported triton, outside the interpreter, and record
-    launches instead of running them."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.delenv(backends.ENV_VAR, raising=False)
-    monkeypatch.setattr(backends, "_capability", lambda device: (9, 0))
-    monkeypatch.setattr(gluon_sm90, "triton_version_supported", lambda version=None: True)
-    monkeypatch.setattr(gluon_sm90, "GLUON_IMPORT_ERROR", None)
+def hopper(hopper, monkeypatch):
+    """conftest's pretend Hopper, recording launches instead of running them."""
     calls = []
     monkeypatch.setattr(gluon_sm90, "launch", lambda *a, **k: calls.append(("gluon_sm90", k)))
     monkeypatch.setattr(triton_tl, "sparse_mqa_per_token", lambda *a, **k: calls.append(("triton", k)))

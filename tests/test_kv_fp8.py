@@ -270,17 +270,10 @@ def test_bad_fp8_calls_raise_before_any_launch(kind, exc, match, monkeypatch):
 
 
 @pytest.fixture
-def hopper(monkeypatch):
-    """Pretend the tensors live on an sm_90 GPU with a supported triton, outside the interpreter (as
-    tests/test_mqa_backends.py does), so the FP8 branch of the selection runs on a CPU."""
-    from sparse_mla.mqa import backends, gluon_sm90
+def hopper(hopper, monkeypatch):
+    """conftest's pretend Hopper (the FP8 branch of the selection runs on a CPU), on the default split schedule."""
+    from sparse_mla.mqa import gluon_sm90
 
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.delenv(backends.ENV_VAR, raising=False)
-    monkeypatch.setattr(backends, "_capability", lambda device: (9, 0))
-    monkeypatch.setattr(gluon_sm90, "triton_version_supported", lambda version=None: True)
-    if gluon_sm90.GLUON_IMPORT_ERROR is not None:
-        monkeypatch.setattr(gluon_sm90, "GLUON_IMPORT_ERROR", None)
     monkeypatch.setattr(gluon_sm90, "SCHEDULE", "split")
 
 
@@ -484,6 +477,22 @@ _GLUON_FP8 = _gluon_fp8_applies()
 requires_gluon_fp8 = pytest.mark.skipif(not _GLUON_FP8[0], reason=f"gluon_sm90 FP8 does not apply: {_GLUON_FP8[1]}")
 
 
+@pytest.fixture
+def gluon_launches(monkeypatch) -> list:
+    """The kv dtype of every ``gluon_sm90.launch`` while the test runs (the launches still happen)."""
+    from sparse_mla.mqa import gluon_sm90
+
+    launches = []
+    real_launch = gluon_sm90.launch
+
+    def counting_launch(q, kv, *args, **kwargs):
+        launches.append(kv.dtype)
+        return real_launch(q, kv, *args, **kwargs)
+
+    monkeypatch.setattr(gluon_sm90, "launch", counting_launch)
+    return launches
+
+
 def _fp8_backend_pair(monkeypatch, q, cache, idx, sm_scale, topk_length=None, **kw):
     """The call through gluon_sm90 (checked against the reference into poisoned views) and through triton."""
     from sparse_mla.mqa import backends
@@ -541,7 +550,7 @@ def test_gluon_fp8_grouped_matches_reference_and_twin(monkeypatch, H, lens):
 @pytest.mark.gpu
 @requires_gluon_fp8
 @pytest.mark.parametrize("method", ["per_token", "grouped"])
-def test_gluon_fp8_persistent_ctas_walk_many_items(monkeypatch, method):
+def test_gluon_fp8_persistent_ctas_walk_many_items(monkeypatch, gluon_launches, method):
     """Three persistent CTAs for dozens of work items (the ring's phases carried across items, the next item's first
     tiles and Q loaded during the previous item), with tile counts from 0 to 5 per list (topk_length)."""
     from sparse_mla.mqa import gluon_sm90
@@ -552,40 +561,23 @@ def test_gluon_fp8_persistent_ctas_walk_many_items(monkeypatch, method):
     tl_ = torch.randint(0, K + 1, (T,), generator=g).to(torch.int32)
     tl_[::7] = 0
     tl_ = tl_.to(DEVICE)
-    launches = []
-    real_launch = gluon_sm90.launch
-
-    def counting_launch(q_, kv_, *args, **kwargs):
-        launches.append(kv_.dtype)
-        return real_launch(q_, kv_, *args, **kwargs)
-
-    monkeypatch.setattr(gluon_sm90, "launch", counting_launch)
     monkeypatch.setitem(gluon_sm90._NUM_SMS, str(q.device), 3)
     kw = dict(method=method) | ({"cu_seqlens_q": cu_seqlens([20, 17]), "overlap_guard": None} if method == "grouped"
                                  else {})
     _fp8_backend_pair(monkeypatch, q, cache, idx, 0.04, topk_length=tl_, **kw)
-    assert torch.uint8 in launches, "the Gluon FP8 variant did not run"
+    assert torch.uint8 in gluon_launches, "the Gluon FP8 variant did not run"
 
 
 @pytest.mark.gpu
 @requires_gluon_fp8
-def test_gluon_fp8_warmup_then_steps_compile_nothing_and_graph_replays(monkeypatch):
+def test_gluon_fp8_warmup_then_steps_compile_nothing_and_graph_replays(gluon_launches):
     """warmup(kv_format="fp8_ds_mla") compiles the Gluon FP8 variants a step uses (per token and grouped, other token
     counts after it compile nothing), and a captured per-token call replays with new q equal to eager."""
     from sparse_mla import SparseMLAWorkspace
     from sparse_mla.integration.warmup import compiled_variant_counts, warmup
-    from sparse_mla.mqa import gluon_sm90
 
     H, K, N, T_MAX = 64, 96, 500, 64
     cache = FMT.quantize(spread_kv(N, seed=8))
-    launches = []
-    real_launch = gluon_sm90.launch
-
-    def counting_launch(q_, kv_, *args, **kwargs):
-        launches.append(kv_.dtype)
-        return real_launch(q_, kv_, *args, **kwargs)
-
-    monkeypatch.setattr(gluon_sm90, "launch", counting_launch)
     ws = SparseMLAWorkspace(T_MAX, K, 128 // H, N, DEVICE)
     warmup(H, 576, K, DTYPE, DEVICE, T_MAX, kv=cache, workspace=ws, converter=False, kv_format=FP8)
     torch.cuda.synchronize()
@@ -598,7 +590,7 @@ def test_gluon_fp8_warmup_then_steps_compile_nothing_and_graph_replays(monkeypat
     torch.cuda.synchronize()
     after = compiled_variant_counts()
     assert after == before, {k: (before.get(k), v) for k, v in after.items() if before.get(k) != v}
-    assert launches.count(torch.uint8) >= 6, "the steps did not run the Gluon FP8 variant"
+    assert gluon_launches.count(torch.uint8) >= 6, "the steps did not run the Gluon FP8 variant"
 
     q, _, idx = fp8_problem(17, H, K, N, seed=9)
     out, lse = poisoned_out(17, H)

@@ -8,17 +8,6 @@ import torch
 from sparse_mla.mqa import backends, gluon_sm90
 
 
-@pytest.fixture
-def hopper(monkeypatch):
-    """Pretend the tensors live on an sm_90 GPU with a supported triton, outside the interpreter."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.delenv(backends.ENV_VAR, raising=False)
-    monkeypatch.setattr(backends, "_capability", lambda device: (9, 0))
-    monkeypatch.setattr(gluon_sm90, "triton_version_supported", lambda version=None: True)
-    if gluon_sm90.GLUON_IMPORT_ERROR is not None:
-        monkeypatch.setattr(gluon_sm90, "GLUON_IMPORT_ERROR", None)
-
-
 def _qkv(H=16, D=576, dtype=torch.bfloat16):
     return torch.zeros(4, H, D, dtype=dtype), torch.zeros(100, D, dtype=dtype)
 
