@@ -38,6 +38,7 @@ from ..validation import (
     require_int,
     require_kernel_tensor,
 )
+from .online_softmax import online_softmax_step
 
 LOG2E = 1.4426950408889634
 META_COLS = 8  # q_start, q_len, pos0, kv_start, kpe_row0, word_base, n_words, request
@@ -130,11 +131,7 @@ def _masked_mha_fwd_kernel(
                                mask=n_ok[None, :] & (offs_pe < D_PE)[:, None], other=0.0)
                 qk = tl.dot(q_pe, k_pe, qk)
             qk = tl.where(allowed, qk * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_safe)
-            p = tl.math.exp2(qk - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, m_new, l_i = online_softmax_step(qk, m_i, l_i)
             v = tl.load(V + kv_row[:, None] * stride_vl + h * stride_vh + offs_v[None, :],
                         mask=n_ok[:, None] & v_ok[None, :], other=0.0)
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])

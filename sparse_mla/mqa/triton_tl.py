@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kernels.online_softmax import online_softmax_step
+
 LOG2E = 1.4426950408889634
 D_V = 512
 D_PE = 64
@@ -125,11 +127,7 @@ def _sparse_mqa_fwd_kernel(
                     kv_pe = tl.load(kv_row[:, None] + D_V + offs_pe[None, :], mask=row_ok[:, None], other=0.0)
                 qk = tl.dot(q_pe, tl.trans(kv_pe), qk)
             qk = tl.where(allowed, qk * scale_log2, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.math.exp2(m_i - m_safe)
-            p = tl.math.exp2(qk - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, m_new, l_i = online_softmax_step(qk, m_i, l_i)
             acc = acc * alpha[:, None]
             acc = tl.dot(p.to(kv_nope.dtype), kv_nope, acc)
             m_i = m_new
