@@ -40,7 +40,7 @@ class _Group(_PlainHelp, TyperGroup):
 
 app = typer.Typer(
     cls=_Group,
-    help="sparse-mla: exact DeepSeek Sparse Attention prefill on Hopper (Triton). "
+    help="sparse-mla: exact DeepSeek Sparse Attention prefill on Hopper (Triton and Gluon kernels). "
     "Run `sparse-mla bench` for the side-by-side benchmark.",
     no_args_is_help=True,
     add_completion=False,
