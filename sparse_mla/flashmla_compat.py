@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from .interface import sparse_mla_fwd
+from .kv_format import looks_like_fp8_ds_mla
 from .mqa.reference import sparse_mla_ref
 
 _INF = float("inf")
@@ -29,7 +30,8 @@ def _flashmla_layout(q: object, kv: object, indices: object) -> torch.Tensor:
     Dtypes, devices, d_qk, strides and everything else are checked by ``validate_sparse_mla_args``.
 
     Raises:
-        TypeError: kv or indices not a tensor. ValueError: kv not [s_kv, 1, d_qk], indices not [s_q, 1, topk].
+        TypeError: kv or indices not a tensor, or kv an fp8_ds_mla cache (656-byte rows). ValueError: kv not
+            [s_kv, 1, d_qk], indices not [s_q, 1, topk].
     """
     for name, x in (("q", q), ("kv", kv), ("indices", indices)):
         if not isinstance(x, torch.Tensor):
@@ -37,6 +39,10 @@ def _flashmla_layout(q: object, kv: object, indices: object) -> torch.Tensor:
     if kv.dim() != 3 or kv.shape[1] != 1:
         raise ValueError(f"kv must be [s_kv, h_kv = 1, d_qk] (FlashMLA layout; sparse_mla_fwd takes [N, d_qk] rows), "
                          f"got shape {tuple(kv.shape)}")
+    if looks_like_fp8_ds_mla(kv):
+        raise TypeError(f"kv is {kv.dtype} {list(kv.shape)}: an FP8 cache of 656-byte rows? flash_mla_sparse_fwd takes "
+                        "bf16 / fp16 latent rows, as FlashMLA's does; for an fp8_ds_mla cache call "
+                        "sparse_mla.sparse_mla_fwd(q, kv_rows, indices[:, 0], sm_scale, kv_format='fp8_ds_mla')")
     if indices.dim() != 3 or indices.shape[1] != 1:
         raise ValueError(f"indices must be [s_q, h_kv = 1, topk] int32 (FlashMLA layout), got shape {tuple(indices.shape)}")
     if q.dim() == 3 and indices.shape[0] != q.shape[0]:

@@ -319,6 +319,17 @@ def test_fp8_cache_falls_back_to_triton_with_the_reason(hopper, monkeypatch, cas
         backends.select_backend(q, rows)
 
 
+def test_flashmla_compat_call_points_an_fp8_cache_to_sparse_mla_fwd():
+    """flash_mla_sparse_fwd keeps FlashMLA's signature (no kv_format): an FP8 cache gets an error naming the call that
+    takes it, before any launch."""
+    from sparse_mla import flash_mla_sparse_fwd
+
+    q, cache, idx = fp8_problem(2, 16, 8, 40, seed=3)
+    for kv in (cache[:, None], cache.view(torch.float8_e4m3fn)[:, None]):
+        with pytest.raises(TypeError, match=r"sparse_mla_fwd\(.*kv_format='fp8_ds_mla'\)"):
+            flash_mla_sparse_fwd(q, kv, idx[:, None], 0.1)
+
+
 def test_fp8_kernel_variants_refuse_what_they_cannot_run():
     from sparse_mla.mqa import gluon_sm90
 

@@ -172,7 +172,9 @@ LAUNCH_CONFIGS: dict[int, tuple[int, int, int]] = {
 }
 
 
-# The same per BLOCK_M for an fp8_ds_mla cache (KV_FP8), NOT timed yet: chosen from sm_90 compiles on the CPU
+# The same per BLOCK_M for an fp8_ds_mla cache (KV_FP8), chosen from sm_90 compiles on the CPU, timed but not compared
+# with alternatives on the H200 (results/kv-fp8-gluon-fewheads.json: 15.3 / 28.8 ms per token at 16 / 32 heads against
+# 4.17 / 5.84 ms on a bf16 cache; on Hopper with bf16 q the FP8 cache runs the Gluon kernel instead). Chosen from compiles
 # (Triton 3.6, ptxas -v): the dequantized tile passes through registers, so at 16 / 32 pseudo-heads 8 warps and
 # BLOCK_N 32 spill least (16: 0 B and 105 KB of shared memory, 2 CTAs per SM, against 136 B / 192 KB for the bf16
 # config; 32: 468 B against 2.2 KB). `python -m sparse_mla.bench.kv_fp8 --sweep-configs` times the alternatives.
