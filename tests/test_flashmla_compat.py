@@ -308,31 +308,16 @@ def test_gluon_gets_sink_kwargs_once_supported(hopper, monkeypatch):
 
 # ------------------------------------------------------------------------------- GPU: FlashMLA's lists, full size
 
-@pytest.mark.parametrize("case", gpu_only(FLASHMLA_CORRECTNESS), ids=lambda c: c.id)
+# FlashMLA's test lists by name (a failing id names its list), full size on the GPU.
+GPU_LISTS = (("correctness", FLASHMLA_CORRECTNESS), ("features", FLASHMLA_FEATURES), ("corner", FLASHMLA_CORNER),
+             ("head_sweep", HEAD_SWEEP))
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=f"{name}-{c.id}") for name, cases in GPU_LISTS
+                                  for c in gpu_only(cases)])
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="full-size FlashMLA cases run on a CUDA GPU in bf16")
-def test_flashmla_correctness_gpu(case, mqa_backend):
-    run_case(case, mqa_backend)
-
-
-@pytest.mark.parametrize("case", gpu_only(FLASHMLA_FEATURES), ids=lambda c: c.id)
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="full-size FlashMLA cases run on a CUDA GPU in bf16")
-def test_flashmla_features_gpu(case, mqa_backend):
-    run_case(case, mqa_backend)
-
-
-@pytest.mark.parametrize("case", gpu_only(FLASHMLA_CORNER), ids=lambda c: c.id)
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="full-size FlashMLA cases run on a CUDA GPU in bf16")
-def test_flashmla_corner_gpu(case, mqa_backend):
-    run_case(case, mqa_backend)
-
-
-@pytest.mark.parametrize("case", gpu_only(HEAD_SWEEP), ids=lambda c: c.id)
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="full-size FlashMLA cases run on a CUDA GPU in bf16")
-def test_every_head_count_gpu(case, mqa_backend):
+def test_flashmla_lists_gpu(case, mqa_backend):
     run_case(case, mqa_backend)
 
 

@@ -116,6 +116,13 @@ GLUON_FEW_HEADS_MAX_TOKENS = 1024
 # take the Gluon kernel at every head count where it applies.
 
 
+def triton_small_tiles_win(pseudo_heads: int, num_tokens: int, kv_fp8: bool) -> bool:
+    """Whether the automatic choice takes the Triton kernel although the Gluon one applies: fewer than
+    ``GLUON_MIN_PSEUDO_HEADS`` pseudo-heads per tile on more than ``GLUON_FEW_HEADS_MAX_TOKENS`` tokens of a bf16 /
+    fp16 cache (never on an fp8_ds_mla cache). The one rule ``select_backend`` and ``describe_for_device`` share."""
+    return pseudo_heads < GLUON_MIN_PSEUDO_HEADS and num_tokens > GLUON_FEW_HEADS_MAX_TOKENS and not kv_fp8
+
+
 def select_backend(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None = None,
                    pseudo_heads: int | None = None) -> tuple[str, str]:
     """(backend, reason) for a launch on these tensors, honouring ``SPARSE_MLA_MQA_BACKEND``.
@@ -140,7 +147,7 @@ def select_backend(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None =
     if not ok:
         return "triton", f"gluon_sm90 does not apply: {why}"
     rows = q.shape[1] if pseudo_heads is None else pseudo_heads
-    if rows < GLUON_MIN_PSEUDO_HEADS and q.shape[0] > GLUON_FEW_HEADS_MAX_TOKENS and kv.dtype != torch.uint8:
+    if triton_small_tiles_win(rows, q.shape[0], kv.dtype == torch.uint8):
         return "triton", (f"{rows} pseudo-heads per tile < {GLUON_MIN_PSEUDO_HEADS} on {q.shape[0]} > "
                           f"{GLUON_FEW_HEADS_MAX_TOKENS} tokens: the Triton kernel's smaller tiles are faster there "
                           "(H200, results/gluon-v3.json)")
@@ -174,8 +181,7 @@ def describe_for_device(device: torch.device | None = None, dtype: torch.dtype =
         return f"attention backend: {forced} (forced by {ENV_VAR}; gluon_sm90 {'applies' if ok else 'n/a: ' + why})"
     if not ok:
         return f"attention backend: triton (gluon_sm90 does not apply: {why})"
-    if (num_heads is not None and num_tokens is not None and num_heads < GLUON_MIN_PSEUDO_HEADS
-            and num_tokens > GLUON_FEW_HEADS_MAX_TOKENS and not kv_fp8):
+    if num_heads is not None and num_tokens is not None and triton_small_tiles_win(num_heads, num_tokens, kv_fp8):
         return (f"attention backend: gluon_sm90 for grouped tiles, triton per token ({num_heads} heads < "
                 f"{GLUON_MIN_PSEUDO_HEADS} on {num_tokens} > {GLUON_FEW_HEADS_MAX_TOKENS} tokens; {why})")
     return f"attention backend: gluon_sm90 ({why})"

@@ -34,15 +34,16 @@ import triton
 import triton.language as tl
 
 from ..kernels.online_softmax import online_softmax_step
+from ..kv_format import FP8_DS_MLA
 
 LOG2E = 1.4426950408889634
 D_V = 512
 D_PE = 64
-# fp8_ds_mla row layout (sparse_mla.kv_format.FP8_DS_MLA): scales at byte 512 (one fp32 per 128 values), RoPE bf16 at
-# 528 (constexpr objects: a jit function may read only those globals; tests/test_kv_fp8.py checks them against the format)
-FP8_SCALE_OFFSET = tl.constexpr(512)
-FP8_ROPE_OFFSET = tl.constexpr(528)
-FP8_TILE = tl.constexpr(128)
+# fp8_ds_mla row layout, from sparse_mla.kv_format.FP8_DS_MLA: scales at byte 512 (one fp32 per 128 values), RoPE bf16
+# at 528 (constexpr objects: a jit function may read only those globals)
+FP8_SCALE_OFFSET = tl.constexpr(FP8_DS_MLA.scale_offset)
+FP8_ROPE_OFFSET = tl.constexpr(FP8_DS_MLA.rope_offset)
+FP8_TILE = tl.constexpr(FP8_DS_MLA.tile_size)
 
 
 @triton.jit
