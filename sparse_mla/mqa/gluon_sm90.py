@@ -91,10 +91,10 @@ if GLUON_IMPORT_ERROR is None:
     _FP8_TILE = gl.constexpr(FP8_DS_MLA.tile_size)
 
     @gluon.jit
-    def _tile_rows(rows_ptr, row_stride, gid, n_rows, j):
-        """Row ids of kv tile j of list ``gid`` (positions >= n_rows read as -1), in the gather layout."""
-        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-        pos = j * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(1, blk))
+    def _tile_rows(rows_ptr, row_stride, gid, n_rows, j, layout: gl.constexpr):
+        """Row ids of kv tile j of list ``gid`` (positions >= n_rows read as -1), in ``layout`` (a [64] slice of the
+        gather layout)."""
+        pos = j * _BN + gl.arange(0, _BN, layout=layout)
         return gl.load(rows_ptr + gid.to(gl.int64) * row_stride + pos, mask=pos < n_rows, other=-1)
 
     @gluon.jit
@@ -171,7 +171,7 @@ if GLUON_IMPORT_ERROR is None:
         cv = gl.arange(0, _DV, layout=gl.SliceLayout(0, blk))
         cr = gl.arange(0, _DPE, layout=gl.SliceLayout(0, blk))
         st = c % STAGES
-        idx = _tile_rows(rows_ptr, row_stride, gid, n_rows, j)  # issued before the wait: latency hidden
+        idx = _tile_rows(rows_ptr, row_stride, gid, n_rows, j, gl.SliceLayout(1, blk))  # before the wait: latency hidden
         ok = (idx >= 0) & (idx < N)
         base = kv_ptr + gl.where(ok, idx, 0).to(gl.int64)[:, None] * stride_kvn
         mbarrier.wait(empty.index(st), ((c // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
@@ -199,8 +199,7 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def _fp8_rows(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, layout: gl.constexpr):
         """Byte pointers of tile j's fp8_ds_mla rows and their validity (positions past the list: invalid)."""
-        pos = j * _BN + gl.arange(0, _BN, layout=layout)
-        idx = gl.load(rows_ptr + gid.to(gl.int64) * row_stride + pos, mask=pos < n_rows, other=-1)
+        idx = _tile_rows(rows_ptr, row_stride, gid, n_rows, j, layout)
         ok = (idx >= 0) & (idx < N)
         return kv_ptr + gl.where(ok, idx, 0).to(gl.int64) * stride_kvn, ok
 
