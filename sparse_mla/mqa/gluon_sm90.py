@@ -515,7 +515,7 @@ if GLUON_IMPORT_ERROR is None:
         return (((cols[None, :] >> gl.maximum(qi, 0)[:, None]) & 1) != 0) & (qi >= 0)[:, None]
 
     @gluon.jit
-    def _pair_qk(q_v, q_r, ring_v, ring_r, ready, st: gl.constexpr, i, s0, HAS_PE: gl.constexpr):
+    def _pair_qk(q_v, q_r, ring_v, ring_r, ready, st, i, s0, HAS_PE: gl.constexpr):
         mbarrier.wait(ready.index(st), i & 1)
         fence_async_shared()  # cp.async writes (generic proxy) -> wgmma reads (async proxy)
         s = warpgroup_mma(q_v, ring_v.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
@@ -564,8 +564,11 @@ if GLUON_IMPORT_ERROR is None:
         o = gl.zeros([_BH, 256], gl.float32, layout=o_l)
         s0 = gl.zeros([_BH, _BN], gl.float32, layout=s_l)
         for i in range(n_pairs):
+            z = ((i + N) < 0).to(gl.int32)  # 0, opaque: keeps the stage descriptors out of the loop preheader
+            st0 = z
+            st1 = 1 - z
             cols = _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 2 * i, s_l, GROUPED)
-            s = _pair_qk(q_v, q_r, ring_v, ring_r, ready, 0, i, s0, HAS_PE)
+            s = _pair_qk(q_v.index(z), q_r.index(z), ring_v, ring_r, ready, st0, i, s0, HAS_PE)
             s = gl.where(_tile_allowed(cols, qi), s * qk_scale, float("-inf"))
             m0 = gl.maximum(m_i, gl.max(s, axis=1))
             _vec_store(s_m0, m0)
@@ -577,7 +580,7 @@ if GLUON_IMPORT_ERROR is None:
             l_i = l_i * alpha + gl.sum(p, axis=1)
             pb = p.to(dt)  # only the rounded P stays live (registers are the limit of this schedule)
             a_op = gl.convert_layout(pb, p_l)
-            o = warpgroup_mma(a_op, ring_v.index(0).slice(0, 256, dim=1), o, is_async=True)
+            o = warpgroup_mma(a_op, ring_v.index(st0).slice(0, 256, dim=1), o, is_async=True)
             mbarrier.wait(bars.index(1), i & 1)  # m1 ready
             m1 = _vec_load(s_m1, rows_s)
             beta = gl.exp2(m0 - m1)
@@ -591,7 +594,7 @@ if GLUON_IMPORT_ERROR is None:
             l_i = l_i * beta
             m_i = m1
             mbarrier.wait(bars.index(3), i & 1)  # P1 ready
-            o = warpgroup_mma(s_p1, ring_v.index(1).slice(0, 256, dim=1), o, is_async=True)
+            o = warpgroup_mma(s_p1, ring_v.index(st1).slice(0, 256, dim=1), o, is_async=True)
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
             gl.thread_barrier()
             mbarrier.arrive(bars.index(4), count=1)  # P1 buffer free
@@ -619,8 +622,11 @@ if GLUON_IMPORT_ERROR is None:
         o = gl.zeros([_BH, 256], gl.float32, layout=o_l)
         s0 = gl.zeros([_BH, _BN], gl.float32, layout=s_l)
         for i in range(n_pairs):
+            z = ((i + N) < 0).to(gl.int32)  # 0, opaque: keeps the stage descriptors out of the loop preheader
+            st0 = z
+            st1 = 1 - z
             cols = _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 2 * i + 1, s_l, GROUPED)
-            s = _pair_qk(q_v, q_r, ring_v, ring_r, ready, 1, i, s0, HAS_PE)
+            s = _pair_qk(q_v.index(z), q_r.index(z), ring_v, ring_r, ready, st1, i, s0, HAS_PE)
             s = gl.where(_tile_allowed(cols, qi), s * qk_scale, float("-inf"))
             mbarrier.wait(bars.index(0), i & 1)  # m0 ready
             m1 = gl.maximum(_vec_load(s_m0, rows_s), gl.max(s, axis=1))
@@ -633,7 +639,7 @@ if GLUON_IMPORT_ERROR is None:
             o = o * gl.convert_layout(alpha, rows_o)[:, None]
             pb = p.to(dt)
             a_op = gl.convert_layout(pb, p_l)
-            o = warpgroup_mma(a_op, ring_v.index(1).slice(256, 256, dim=1), o, is_async=True)
+            o = warpgroup_mma(a_op, ring_v.index(st1).slice(256, 256, dim=1), o, is_async=True)
             l_i = l_i * alpha + gl.sum(p, axis=1)
             mbarrier.wait(bars.index(4), (i & 1) ^ 1)  # P1 buffer free (passes at once the first time)
             s_p1.store(pb)
@@ -641,7 +647,7 @@ if GLUON_IMPORT_ERROR is None:
             gl.thread_barrier()
             mbarrier.arrive(bars.index(3), count=1)  # P1 ready
             mbarrier.wait(bars.index(2), i & 1)  # P0 ready
-            o = warpgroup_mma(s_p0, ring_v.index(0).slice(256, 256, dim=1), o, is_async=True)
+            o = warpgroup_mma(s_p0, ring_v.index(st0).slice(256, 256, dim=1), o, is_async=True)
             o, a_op = warpgroup_mma_wait(num_outstanding=0, deps=(o, a_op))
             gl.thread_barrier()
             mbarrier.arrive(empty.index(1), count=1)  # done with V1[:, 256:512]
@@ -669,11 +675,11 @@ if GLUON_IMPORT_ERROR is None:
         smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         vec_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         dt: gl.constexpr = q_ptr.dtype.element_ty
-        q_v = gl.allocate_shared_memory(dt, [_BH, _DV], smem_l)
+        q_v = gl.allocate_shared_memory(dt, [1, _BH, _DV], smem_l)
         ring_v = gl.allocate_shared_memory(dt, [2, _BN, _DV], smem_l)
         s_p1 = gl.allocate_shared_memory(dt, [_BH, _BN], smem_l)
         if HAS_PE:
-            q_r = gl.allocate_shared_memory(dt, [_BH, _DPE], smem_l)
+            q_r = gl.allocate_shared_memory(dt, [1, _BH, _DPE], smem_l)
             ring_r = gl.allocate_shared_memory(dt, [2, _BN, _DPE], smem_l)
             s_p0 = ring_r.index(0)  # the even tile's RoPE part is dead once its S is computed
         else:
@@ -693,7 +699,7 @@ if GLUON_IMPORT_ERROR is None:
         for i in gl.static_range(7):  # m0, m1, P0 ready, P1 ready, P1 free, l0, l1: one arrive each
             mbarrier.init(bars.index(i), count=1)
 
-        _load_q(q_ptr, q_v, q_r, stride_qt, stride_qh, mb, tok0, H, n_heads, GROUPED, HAS_PE)
+        _load_q(q_ptr, q_v.index(0), q_r.index(0), stride_qt, stride_qh, mb, tok0, H, n_heads, GROUPED, HAS_PE)
 
         args = (q_v, q_r, ring_v, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, ready, empty, bars, rows_ptr, bits_ptr,
                 row_stride, N, gid, n_rows, n_pairs, mb, tok0, H, n_heads, out_ptr, lse_ptr, stride_ot, stride_oh,
