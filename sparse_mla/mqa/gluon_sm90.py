@@ -701,16 +701,20 @@ if GLUON_IMPORT_ERROR is None:
 
         _load_q(q_ptr, q_v.index(0), q_r.index(0), stride_qt, stride_qh, mb, tok0, H, n_heads, GROUPED, HAS_PE)
 
-        args = (q_v, q_r, ring_v, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, ready, empty, bars, rows_ptr, bits_ptr,
-                row_stride, N, gid, n_rows, n_pairs, mb, tok0, H, n_heads, out_ptr, lse_ptr, stride_ot, stride_oh,
-                stride_lt, qk_scale, has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl, GROUPED, HAS_PE)
         # The default partition (num_warps = 4) is the producer and gets the registers the consumers leave
         # (triton 3.6 fails to lower the consumer's wgmma code in the default partition of this kernel).
         gl.warp_specialize([
             (_producer, (kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 2 * n_pairs, ring_v, ring_r, ready,
                          empty, HAS_PE, 2)),
-            (_pair_wg0, args),
-            (_pair_wg1, args),
+            # (argument tuples written out here: a tuple held in a variable turns its constexprs into tensors)
+            (_pair_wg0, (q_v, q_r, ring_v, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, ready, empty, bars, rows_ptr,
+                         bits_ptr, row_stride, N, gid, n_rows, n_pairs, mb, tok0, H, n_heads, out_ptr, lse_ptr,
+                         stride_ot, stride_oh, stride_lt, qk_scale, has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink,
+                         has_maxl, GROUPED, HAS_PE)),
+            (_pair_wg1, (q_v, q_r, ring_v, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, ready, empty, bars, rows_ptr,
+                         bits_ptr, row_stride, N, gid, n_rows, n_pairs, mb, tok0, H, n_heads, out_ptr, lse_ptr,
+                         stride_ot, stride_oh, stride_lt, qk_scale, has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink,
+                         has_maxl, GROUPED, HAS_PE)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
