@@ -514,14 +514,53 @@ if GLUON_IMPORT_ERROR is None:
         """[64, 64] bool: which (pseudo-head, kv row) pairs count (qi = the row's query in the group, -1 = none)."""
         return (((cols[None, :] >> gl.maximum(qi, 0)[:, None]) & 1) != 0) & (qi >= 0)[:, None]
 
+    # Half stages: a tile's columns 0..255 ("L") and 256..511 + RoPE ("R") live in separate buffers with their own
+    # ready / empty barriers, so the producer refills a half as soon as its last reader is done with it:
+    # L0 (even tile's V[:, 0:256]) after wg 0's own P.V, R0 after wg 1's P0.V0 (P0 lives in R0's RoPE part),
+    # R1 after wg 1's own P.V, L1 after wg 0's P1.V1. Barrier array ``hb``: ready L0, L1, R0, R1, then empty
+    # L0, L1, R0, R1. Warpgroup 0 issues the next even tile's Q.K^T (L half first) before waiting on P1.V1.
     @gluon.jit
-    def _pair_qk(q_v, q_r, ring_v, ring_r, ready, st, i, s0, HAS_PE: gl.constexpr):
-        mbarrier.wait(ready.index(st), i & 1)
-        fence_async_shared()  # cp.async writes (generic proxy) -> wgmma reads (async proxy)
-        s = warpgroup_mma(q_v, ring_v.index(st).permute((1, 0)), s0, use_acc=False, is_async=True)
-        if HAS_PE:
-            s = warpgroup_mma(q_r, ring_r.index(st).permute((1, 0)), s, is_async=True)
-        return warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    def _pair_qk_half(q_v, ring, q_off: gl.constexpr, st, z, s, use_acc: gl.constexpr):
+        """s (+)= Q[:, q_off:q_off + 256] . ring[st]^T (async, one wgmma group). Q is [1, 64, 512] indexed by z,
+        an opaque 0, so that its wgmma descriptors are computed in the loop rather than kept live across it."""
+        return warpgroup_mma(q_v.index(z).slice(q_off, 256, dim=1), ring.index(st).permute((1, 0)), s,
+                             use_acc=use_acc, is_async=True)
+
+    @gluon.jit
+    def _pair_qk_rope(q_r, ring_r, st, z, s):
+        return warpgroup_mma(q_r.index(z), ring_r.index(st).permute((1, 0)), s, is_async=True)
+
+    @gluon.jit
+    def _pair_producer(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, n_pairs, ring_l, ring_h, ring_r, hb,
+                       HAS_PE: gl.constexpr):
+        """Gather the half tiles in the order the consumers free them: L0, R1, R0, L1 per pair of tiles."""
+        blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+        ch = gl.arange(0, 256, layout=gl.SliceLayout(0, blk))
+        cr = gl.arange(0, _DPE, layout=gl.SliceLayout(0, blk))
+        for i in range(n_pairs):
+            ph = (i & 1) ^ 1  # a fresh barrier passes parity 1
+            idx0 = _tile_rows(rows_ptr, row_stride, gid, n_rows, 2 * i, gl.SliceLayout(1, blk))
+            idx1 = _tile_rows(rows_ptr, row_stride, gid, n_rows, 2 * i + 1, gl.SliceLayout(1, blk))
+            ok0 = (idx0 >= 0) & (idx0 < N)
+            ok1 = (idx1 >= 0) & (idx1 < N)
+            base0 = kv_ptr + gl.where(ok0, idx0, 0).to(gl.int64)[:, None] * stride_kvn
+            base1 = kv_ptr + gl.where(ok1, idx1, 0).to(gl.int64)[:, None] * stride_kvn
+            mbarrier.wait(hb.index(4), ph)  # L0 free
+            async_copy.async_copy_global_to_shared(ring_l.index(0), base0 + ch[None, :], mask=ok0[:, None])
+            async_copy.mbarrier_arrive(hb.index(0), increment_count=False)
+            mbarrier.wait(hb.index(7), ph)  # R1 free
+            async_copy.async_copy_global_to_shared(ring_h.index(1), base1 + 256 + ch[None, :], mask=ok1[:, None])
+            if HAS_PE:
+                async_copy.async_copy_global_to_shared(ring_r.index(1), base1 + _DV + cr[None, :], mask=ok1[:, None])
+            async_copy.mbarrier_arrive(hb.index(3), increment_count=False)
+            mbarrier.wait(hb.index(6), ph)  # R0 free
+            async_copy.async_copy_global_to_shared(ring_h.index(0), base0 + 256 + ch[None, :], mask=ok0[:, None])
+            if HAS_PE:
+                async_copy.async_copy_global_to_shared(ring_r.index(0), base0 + _DV + cr[None, :], mask=ok0[:, None])
+            async_copy.mbarrier_arrive(hb.index(2), increment_count=False)
+            mbarrier.wait(hb.index(5), ph)  # L1 free
+            async_copy.async_copy_global_to_shared(ring_l.index(1), base1 + ch[None, :], mask=ok1[:, None])
+            async_copy.mbarrier_arrive(hb.index(1), increment_count=False)
 
     @gluon.jit
     def _pair_epilogue(o, l_own, m_i, l_mine, l_other, l_bar_mine, l_bar_other, out_ptr, lse_ptr, mb, tok0, H,
@@ -546,112 +585,161 @@ if GLUON_IMPORT_ERROR is None:
         gl.store(o_row[:, None] + cols[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
     @gluon.jit
-    def _pair_wg0(q_v, q_r, ring_v, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, ready, empty, bars, rows_ptr, bits_ptr,
+    def _pair_release(bar):
+        """Every warp of the warpgroup is past its reads (waited wgmma / stored smem) -> one arrive."""
+        gl.thread_barrier()
+        mbarrier.arrive(bar, count=1)
+
+    @gluon.jit
+    def _pair_wg0_step(s, o, m_i, l_i, i, q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, hb, bars,
+                       rows_ptr, bits_ptr, row_stride, N, gid, n_rows, qi, qk_scale, GROUPED: gl.constexpr,
+                       HAS_PE: gl.constexpr, NEXT: gl.constexpr):
+        """Warpgroup 0, pair i: S of tile 2i is in ``s`` (computed). With NEXT, the Q.K^T of tile 2i + 2 is issued
+        (L half) before the wait on P1.V1, so the two overlap, and returned computed."""
+        z = ((i + N) < 0).to(gl.int32)  # 0, opaque: keeps the stage descriptors out of the loop preheader
+        st0 = z
+        st1 = 1 - z
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+        rows_s: gl.constexpr = gl.SliceLayout(1, s_l)
+        rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
+        dt: gl.constexpr = ring_l.dtype
+        cols = _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 2 * i, s_l, GROUPED)
+        s = gl.where(_tile_allowed(cols, qi), s * qk_scale, float("-inf"))
+        m0 = gl.maximum(m_i, gl.max(s, axis=1))
+        _vec_store(s_m0, m0)
+        _pair_release(bars.index(0))  # m0 ready
+        p = gl.exp2(s - m0[:, None])
+        alpha = gl.exp2(m_i - m0)
+        o = o * gl.convert_layout(alpha, rows_o)[:, None]
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        pb = p.to(dt)  # only the rounded P stays live (registers are the limit of this schedule)
+        a_op = gl.convert_layout(pb, p_l)
+        o = warpgroup_mma(a_op, ring_l.index(st0), o, is_async=True)
+        o, a_op = warpgroup_mma_wait(num_outstanding=0, deps=(o, a_op))
+        _pair_release(hb.index(4))  # L0 free
+        mbarrier.wait(bars.index(1), i & 1)  # m1 ready
+        m1 = _vec_load(s_m1, rows_s)
+        beta = gl.exp2(m0 - m1)
+        s_p0.store((pb.to(gl.float32) * beta[:, None]).to(dt))  # P0 at the common max m1, for warpgroup 1
+        fence_async_shared()
+        _pair_release(bars.index(2))  # P0 ready
+        o = o * gl.convert_layout(beta, rows_o)[:, None]
+        l_i = l_i * beta
+        mbarrier.wait(bars.index(3), i & 1)  # P1 ready
+        o = warpgroup_mma(s_p1, ring_l.index(st1), o, is_async=True)
+        if NEXT:
+            mbarrier.wait(hb.index(0), (i + 1) & 1)  # L0 of tile 2i + 2 landed
+            fence_async_shared()
+            s = _pair_qk_half(q_v, ring_l, 0, st0, z, s, False)  # the dead S as accumulator: no zeros kept live
+            o = warpgroup_mma_wait(num_outstanding=1, deps=(o, ))  # P1.V1 done, Q.K^T (L) in flight
+            _pair_release(bars.index(4))  # P1 buffer free
+            mbarrier.arrive(hb.index(5), count=1)  # L1 free
+            mbarrier.wait(hb.index(2), (i + 1) & 1)  # R0 of tile 2i + 2 landed
+            fence_async_shared()
+            s = _pair_qk_half(q_v, ring_h, 256, st0, z, s, True)
+            if HAS_PE:
+                s = _pair_qk_rope(q_r, ring_r, st0, z, s)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        else:
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
+            _pair_release(bars.index(4))  # P1 buffer free
+            mbarrier.arrive(hb.index(5), count=1)  # L1 free
+        return s, o, m1, l_i
+
+    @gluon.jit
+    def _pair_wg0(q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, hb, bars, rows_ptr, bits_ptr,
                   row_stride, N, gid, n_rows, n_pairs, mb, tok0, H, n_heads, out_ptr, lse_ptr, stride_ot, stride_oh,
                   stride_lt, qk_scale, has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl,
                   GROUPED: gl.constexpr, HAS_PE: gl.constexpr):
         """Warpgroup 0: S of the even tiles (stage 0), O[:, 0:256]."""
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
-        p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
         rows_s: gl.constexpr = gl.SliceLayout(1, s_l)
-        rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
-        dt: gl.constexpr = ring_v.dtype
         p_s = mb * _BH + gl.arange(0, _BH, layout=rows_s)
         qi = gl.where(p_s < n_heads, p_s // H, -1)
         m_i = gl.full([_BH], _NEG, gl.float32, layout=rows_s)
         l_i = gl.zeros([_BH], gl.float32, layout=rows_s)
         o = gl.zeros([_BH, 256], gl.float32, layout=o_l)
-        s0 = gl.zeros([_BH, _BN], gl.float32, layout=s_l)
-        for i in range(n_pairs):
-            z = ((i + N) < 0).to(gl.int32)  # 0, opaque: keeps the stage descriptors out of the loop preheader
-            st0 = z
-            st1 = 1 - z
-            cols = _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 2 * i, s_l, GROUPED)
-            s = _pair_qk(q_v.index(z), q_r.index(z), ring_v, ring_r, ready, st0, i, s0, HAS_PE)
-            s = gl.where(_tile_allowed(cols, qi), s * qk_scale, float("-inf"))
-            m0 = gl.maximum(m_i, gl.max(s, axis=1))
-            _vec_store(s_m0, m0)
-            gl.thread_barrier()
-            mbarrier.arrive(bars.index(0), count=1)  # m0 ready
-            p = gl.exp2(s - m0[:, None])
-            alpha = gl.exp2(m_i - m0)
-            o = o * gl.convert_layout(alpha, rows_o)[:, None]
-            l_i = l_i * alpha + gl.sum(p, axis=1)
-            pb = p.to(dt)  # only the rounded P stays live (registers are the limit of this schedule)
-            a_op = gl.convert_layout(pb, p_l)
-            o = warpgroup_mma(a_op, ring_v.index(st0).slice(0, 256, dim=1), o, is_async=True)
-            mbarrier.wait(bars.index(1), i & 1)  # m1 ready
-            m1 = _vec_load(s_m1, rows_s)
-            beta = gl.exp2(m0 - m1)
-            s_p0.store((pb.to(gl.float32) * beta[:, None]).to(dt))  # P0 at the common max m1, for warpgroup 1
+        s = gl.zeros([_BH, _BN], gl.float32, layout=s_l)
+        if n_pairs > 0:
+            mbarrier.wait(hb.index(0), 0)  # L0 of tile 0
             fence_async_shared()
-            o, a_op = warpgroup_mma_wait(num_outstanding=0, deps=(o, a_op))
-            gl.thread_barrier()
-            mbarrier.arrive(bars.index(2), count=1)  # P0 ready
-            mbarrier.arrive(empty.index(0), count=1)  # done with V0[:, 0:256]
-            o = o * gl.convert_layout(beta, rows_o)[:, None]
-            l_i = l_i * beta
-            m_i = m1
-            mbarrier.wait(bars.index(3), i & 1)  # P1 ready
-            o = warpgroup_mma(s_p1, ring_v.index(st1).slice(0, 256, dim=1), o, is_async=True)
-            o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
-            gl.thread_barrier()
-            mbarrier.arrive(bars.index(4), count=1)  # P1 buffer free
-            mbarrier.arrive(empty.index(1), count=1)  # done with V1[:, 0:256]
+            s = _pair_qk_half(q_v, ring_l, 0, 0, 0, s, False)
+            mbarrier.wait(hb.index(2), 0)  # R0 of tile 0
+            fence_async_shared()
+            s = _pair_qk_half(q_v, ring_h, 256, 0, 0, s, True)
+            if HAS_PE:
+                s = _pair_qk_rope(q_r, ring_r, 0, 0, s)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        for i in range(n_pairs - 1):
+            s, o, m_i, l_i = _pair_wg0_step(s, o, m_i, l_i, i, q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1,
+                                            hb, bars, rows_ptr, bits_ptr, row_stride, N, gid, n_rows, qi,
+                                            qk_scale, GROUPED, HAS_PE, True)
+        if n_pairs > 0:
+            s, o, m_i, l_i = _pair_wg0_step(s, o, m_i, l_i, n_pairs - 1, q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1,
+                                            s_m0, s_m1, hb, bars, rows_ptr, bits_ptr, row_stride, N, gid, n_rows, qi,
+                                            qk_scale, GROUPED, HAS_PE, False)
         _pair_epilogue(o, l_i, m_i, s_l0, s_l1, bars.index(5), bars.index(6), out_ptr, lse_ptr, mb, tok0, H, n_heads,
                        stride_ot, stride_oh, stride_lt, has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl, 0,
                        True, GROUPED)
 
     @gluon.jit
-    def _pair_wg1(q_v, q_r, ring_v, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, ready, empty, bars, rows_ptr, bits_ptr,
+    def _pair_wg1(q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, hb, bars, rows_ptr, bits_ptr,
                   row_stride, N, gid, n_rows, n_pairs, mb, tok0, H, n_heads, out_ptr, lse_ptr, stride_ot, stride_oh,
                   stride_lt, qk_scale, has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl,
                   GROUPED: gl.constexpr, HAS_PE: gl.constexpr):
-        """Warpgroup 1: S of the odd tiles (stage 1), O[:, 256:512]."""
+        """Warpgroup 1: S of the odd tiles (stage 1, R half first: it is refilled first), O[:, 256:512]."""
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
         p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
         rows_s: gl.constexpr = gl.SliceLayout(1, s_l)
         rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
-        dt: gl.constexpr = ring_v.dtype
+        dt: gl.constexpr = ring_l.dtype
         p_s = mb * _BH + gl.arange(0, _BH, layout=rows_s)
         qi = gl.where(p_s < n_heads, p_s // H, -1)
         m_i = gl.full([_BH], _NEG, gl.float32, layout=rows_s)
         l_i = gl.zeros([_BH], gl.float32, layout=rows_s)
         o = gl.zeros([_BH, 256], gl.float32, layout=o_l)
-        s0 = gl.zeros([_BH, _BN], gl.float32, layout=s_l)
+        s = gl.zeros([_BH, _BN], gl.float32, layout=s_l)
         for i in range(n_pairs):
             z = ((i + N) < 0).to(gl.int32)  # 0, opaque: keeps the stage descriptors out of the loop preheader
             st0 = z
             st1 = 1 - z
             cols = _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 2 * i + 1, s_l, GROUPED)
-            s = _pair_qk(q_v.index(z), q_r.index(z), ring_v, ring_r, ready, st1, i, s0, HAS_PE)
+            mbarrier.wait(hb.index(3), i & 1)  # R1 landed
+            fence_async_shared()
+            s = _pair_qk_half(q_v, ring_h, 256, st1, z, s, False)  # the dead S as accumulator: no zeros kept live
+            if HAS_PE:
+                s = _pair_qk_rope(q_r, ring_r, st1, z, s)
+            mbarrier.wait(hb.index(1), i & 1)  # L1 landed
+            fence_async_shared()
+            s = _pair_qk_half(q_v, ring_l, 0, st1, z, s, True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
             s = gl.where(_tile_allowed(cols, qi), s * qk_scale, float("-inf"))
             mbarrier.wait(bars.index(0), i & 1)  # m0 ready
             m1 = gl.maximum(_vec_load(s_m0, rows_s), gl.max(s, axis=1))
             _vec_store(s_m1, m1)
-            gl.thread_barrier()
-            mbarrier.arrive(bars.index(1), count=1)  # m1 ready
+            _pair_release(bars.index(1))  # m1 ready
             p = gl.exp2(s - m1[:, None])
             alpha = gl.exp2(m_i - m1)
             m_i = m1
             o = o * gl.convert_layout(alpha, rows_o)[:, None]
             pb = p.to(dt)
             a_op = gl.convert_layout(pb, p_l)
-            o = warpgroup_mma(a_op, ring_v.index(st1).slice(256, 256, dim=1), o, is_async=True)
+            o = warpgroup_mma(a_op, ring_h.index(st1), o, is_async=True)
             l_i = l_i * alpha + gl.sum(p, axis=1)
             mbarrier.wait(bars.index(4), (i & 1) ^ 1)  # P1 buffer free (passes at once the first time)
             s_p1.store(pb)
             fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(bars.index(3), count=1)  # P1 ready
             mbarrier.wait(bars.index(2), i & 1)  # P0 ready
-            o = warpgroup_mma(s_p0, ring_v.index(st0).slice(256, 256, dim=1), o, is_async=True)
-            o, a_op = warpgroup_mma_wait(num_outstanding=0, deps=(o, a_op))
-            gl.thread_barrier()
-            mbarrier.arrive(empty.index(1), count=1)  # done with V1[:, 256:512]
-            mbarrier.arrive(empty.index(0), count=1)  # done with V0[:, 256:512] and P0 (it may live in stage 0)
+            o = warpgroup_mma(s_p0, ring_h.index(st0), o, is_async=True)
+            _pair_release(bars.index(3))  # P1 ready
+            o, a_op = warpgroup_mma_wait(num_outstanding=1, deps=(o, a_op))  # own P.V done
+            _pair_release(hb.index(7))  # R1 free
+            o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
+            _pair_release(hb.index(6))  # R0 free (V0[:, 256:512] and P0 read)
         _pair_epilogue(o, l_i, m_i, s_l1, s_l0, bars.index(6), bars.index(5), out_ptr, lse_ptr, mb, tok0, H, n_heads,
                        stride_ot, stride_oh, stride_lt, has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl,
                        256, False, GROUPED)
@@ -676,7 +764,8 @@ if GLUON_IMPORT_ERROR is None:
         vec_l: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
         dt: gl.constexpr = q_ptr.dtype.element_ty
         q_v = gl.allocate_shared_memory(dt, [1, _BH, _DV], smem_l)
-        ring_v = gl.allocate_shared_memory(dt, [2, _BN, _DV], smem_l)
+        ring_l = gl.allocate_shared_memory(dt, [2, _BN, 256], smem_l)
+        ring_h = gl.allocate_shared_memory(dt, [2, _BN, 256], smem_l)
         s_p1 = gl.allocate_shared_memory(dt, [_BH, _BN], smem_l)
         if HAS_PE:
             q_r = gl.allocate_shared_memory(dt, [1, _BH, _DPE], smem_l)
@@ -684,18 +773,17 @@ if GLUON_IMPORT_ERROR is None:
             s_p0 = ring_r.index(0)  # the even tile's RoPE part is dead once its S is computed
         else:
             q_r = q_v
-            ring_r = ring_v
+            ring_r = ring_l
             s_p0 = gl.allocate_shared_memory(dt, [_BH, _BN], smem_l)
         s_m0 = gl.allocate_shared_memory(gl.float32, [_BH], vec_l)
         s_m1 = gl.allocate_shared_memory(gl.float32, [_BH], vec_l)
         s_l0 = gl.allocate_shared_memory(gl.float32, [_BH], vec_l)
         s_l1 = gl.allocate_shared_memory(gl.float32, [_BH], vec_l)
-        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        hb = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
         bars = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())  # power-of-two shape
-        for i in gl.static_range(2):
-            mbarrier.init(ready.index(i), count=num_warps * 32)  # every producer thread arrives
-            mbarrier.init(empty.index(i), count=2)  # both consumer warpgroups release a stage
+        for i in gl.static_range(4):
+            mbarrier.init(hb.index(i), count=num_warps * 32)  # ready: every producer thread arrives
+            mbarrier.init(hb.index(4 + i), count=1)  # empty: the half's last reader arrives once
         for i in gl.static_range(7):  # m0, m1, P0 ready, P1 ready, P1 free, l0, l1: one arrive each
             mbarrier.init(bars.index(i), count=1)
 
@@ -704,14 +792,14 @@ if GLUON_IMPORT_ERROR is None:
         # The default partition (num_warps = 4) is the producer and gets the registers the consumers leave
         # (triton 3.6 fails to lower the consumer's wgmma code in the default partition of this kernel).
         gl.warp_specialize([
-            (_producer, (kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 2 * n_pairs, ring_v, ring_r, ready,
-                         empty, HAS_PE, 2)),
+            (_pair_producer, (kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, n_pairs, ring_l, ring_h,
+                              ring_r, hb, HAS_PE)),
             # (argument tuples written out here: a tuple held in a variable turns its constexprs into tensors)
-            (_pair_wg0, (q_v, q_r, ring_v, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, ready, empty, bars, rows_ptr,
+            (_pair_wg0, (q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, hb, bars, rows_ptr,
                          bits_ptr, row_stride, N, gid, n_rows, n_pairs, mb, tok0, H, n_heads, out_ptr, lse_ptr,
                          stride_ot, stride_oh, stride_lt, qk_scale, has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink,
                          has_maxl, GROUPED, HAS_PE)),
-            (_pair_wg1, (q_v, q_r, ring_v, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, ready, empty, bars, rows_ptr,
+            (_pair_wg1, (q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, hb, bars, rows_ptr,
                          bits_ptr, row_stride, N, gid, n_rows, n_pairs, mb, tok0, H, n_heads, out_ptr, lse_ptr,
                          stride_ot, stride_oh, stride_lt, qk_scale, has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink,
                          has_maxl, GROUPED, HAS_PE)),
