@@ -145,3 +145,28 @@ def test_fresh_inputs_repeatable(monkeypatch):
     a, la = a.clone(), la.clone()
     b, lb = _run(monkeypatch, "gluon_sm90", p, method="per_token")
     assert torch.equal(a, b) and torch.equal(la, lb)
+
+
+@pytest.mark.parametrize("method, H, K", [("per_token", 64, 300), ("per_token", 128, 200), ("grouped", 16, 130),
+                                          ("grouped", 32, 200)])
+def test_persistent_ctas_over_items_of_every_length(monkeypatch, method, H, K):
+    """Three persistent CTAs loop over dozens of work items whose lists hold 0 to ceil(K / 64) tiles (odd and even
+    tile counts, so a schedule's barrier phases must carry across items), into NaN-poisoned views."""
+    T = 41
+    N = 4 * K + 50
+    g = torch.Generator().manual_seed(H + K)
+    base = neighbour_rows(T, K, N, 0.8, generator=g)
+    idx = adversarial_indices(T, K, N, generator=g, base=base,
+                              patterns=("clean", "clean", "pad_end", "clean", "sentinels", "clean", "all_invalid"))
+    tl_ = None
+    if method == "per_token":
+        tl_ = torch.randint(0, K + 1, (T,), generator=g).to(torch.int32)
+        tl_[::6] = 0
+        tl_[1::6] = 64  # one tile
+        tl_[2::6] = 65  # two tiles, the second with one row
+    p = make_problem(T, H, K, N, seed=H * 3 + K, indices=idx, topk_length=tl_)
+    monkeypatch.setitem(gluon_sm90._NUM_SMS, str(p.q.device), 3)
+    kw = dict(method=method)
+    if method == "grouped":
+        kw |= dict(cu_seqlens_q=cu_seqlens([20, 0, 17, 4]), overlap_guard=None)
+    _compare(monkeypatch, p, **kw)
