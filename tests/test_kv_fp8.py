@@ -269,14 +269,6 @@ def test_bad_fp8_calls_raise_before_any_launch(kind, exc, match, monkeypatch):
 # Backend selection (plain Python)
 
 
-@pytest.fixture
-def hopper(hopper, monkeypatch):
-    """conftest's pretend Hopper (the FP8 branch of the selection runs on a CPU), on the default split schedule."""
-    from sparse_mla.mqa import gluon_sm90
-
-    monkeypatch.setattr(gluon_sm90, "SCHEDULE", "split")
-
-
 def _fp8_selection_inputs(dtype=torch.bfloat16, d_qk=576):
     q = torch.zeros(4, 64, d_qk, dtype=dtype)
     return q, FMT.as_rows(torch.zeros(32, 656, dtype=torch.uint8))
@@ -297,19 +289,30 @@ def test_fp8_cache_selects_gluon_with_bf16_q_on_hopper(hopper):
     assert backends.select_backend(q16, torch.zeros(100, 576, dtype=torch.bfloat16))[0] == "triton"
 
 
+@pytest.mark.parametrize("schedule", ["pair", "split"])
+def test_fp8_cache_runs_the_split_schedule_whatever_the_bf16_schedule(hopper, monkeypatch, schedule):
+    """SPARSE_MLA_GLUON_SCHEDULE picks the schedule of bf16 / fp16 caches; an FP8 cache runs split (the schedule with
+    a dequantizing producer) either way, and its variant is one the package compiles."""
+    from sparse_mla.mqa import backends, gluon_sm90
+
+    monkeypatch.setattr(gluon_sm90, "SCHEDULE", schedule)
+    q, rows = _fp8_selection_inputs()
+    assert backends.select_backend(q, rows)[0] == "gluon_sm90"
+    assert gluon_sm90.schedule_for(True) == "split" and gluon_sm90.schedule_for(False) == schedule
+    assert gluon_sm90.variant_constexprs(False, True, kv_fp8=True)["KV_FP8"]
+    assert (False, True, "bf16", gluon_sm90.schedule_for(True), True) in gluon_sm90.all_variants()
+
+
 @pytest.mark.parametrize("case, match", [
     pytest.param("fp16", "takes bf16 q", id="fp16-q"),
-    pytest.param("pair", "has no FP8 variant", id="pair-schedule"),
     pytest.param("d512", "rows are 576 wide", id="d_qk-512"),
 ])
 def test_fp8_cache_falls_back_to_triton_with_the_reason(hopper, monkeypatch, case, match):
-    """fp16 q, the pair schedule or a D_qk other than 576 with an FP8 cache: auto runs Triton and says why, a forced
-    gluon_sm90 raises the same reason (before any launch)."""
-    from sparse_mla.mqa import backends, gluon_sm90
+    """fp16 q or a D_qk other than 576 with an FP8 cache: auto runs Triton and says why, a forced gluon_sm90 raises
+    the same reason (before any launch)."""
+    from sparse_mla.mqa import backends
 
     q, rows = _fp8_selection_inputs(torch.float16 if case == "fp16" else torch.bfloat16, 512 if case == "d512" else 576)
-    if case == "pair":
-        monkeypatch.setattr(gluon_sm90, "SCHEDULE", "pair")
     ok, why = backends.gluon_sm90_applies(q, rows)
     assert not ok and match in why
     name, why = backends.select_backend(q, rows)

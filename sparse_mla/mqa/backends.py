@@ -6,8 +6,8 @@ Backends:
   CUDA device of compute capability 9.0 (wgmma is sm_90a-only), with a Triton whose Gluon API the
   kernel is written against (``gluon_sm90.SUPPORTED_TRITON``), not under ``TRITON_INTERPRET=1``,
   bf16 / fp16, and 16-byte aligned q, kv, out (base pointers and row strides; cp.async moves 16 B). An FP8
-  ``fp8_ds_mla`` cache (kv the uint8 rows [N, 656]) runs it with bf16 q on the default "split" schedule (its
-  producer dequantizes in registers); otherwise such a cache runs the Triton kernel (``fp8_kv_reason``).
+  ``fp8_ds_mla`` cache (kv the uint8 rows [N, 656]) runs it with bf16 q on the "split" schedule (its producer
+  dequantizes in registers); otherwise such a cache runs the Triton kernel (``fp8_kv_reason``).
 * ``"triton"``: ``sparse_mla.mqa.triton_tl``, the portable kernel: every other case, and the
   CPU-tested twin every other backend is held to.
 
@@ -33,12 +33,7 @@ ENV_VAR = "SPARSE_MLA_MQA_BACKEND"
 
 def fp8_kv_reason(dtype: torch.dtype, d_qk: int = 576) -> str | None:
     """Why the Gluon kernel cannot take an fp8_ds_mla cache with q of this dtype and head dim (D_qk), or None
-    when it can (the split schedule, bf16 q, D_qk 576)."""
-    from . import gluon_sm90
-
-    if gluon_sm90.SCHEDULE not in gluon_sm90.FP8_SCHEDULES:
-        return (f"kv is an fp8_ds_mla cache and SPARSE_MLA_GLUON_SCHEDULE={gluon_sm90.SCHEDULE} has no FP8 variant "
-                f"(only {', '.join(gluon_sm90.FP8_SCHEDULES)})")
+    when it can (bf16 q, D_qk 576; such a cache runs the split schedule, ``gluon_sm90.schedule_for``)."""
     if dtype != torch.bfloat16:
         return f"kv is an fp8_ds_mla cache and q is {dtype}: the Gluon FP8 variant takes bf16 q (bf16 RoPE rows)"
     if d_qk != 576:

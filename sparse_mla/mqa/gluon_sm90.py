@@ -9,19 +9,25 @@ One CTA computes a tile of 64 *pseudo-heads* over a list of kv rows:
   only where bit i of its membership word is set (``sparse_mla.union``). ``group_len[g] == 0``
   means the group runs per token and its CTAs write nothing.
 
-Warp roles (``gl.warp_specialize``): a producer partition (``PRODUCER_WARPS`` warps) gathers
-64-row kv tiles with 16-byte cp.async (invalid rows predicated off, zero-filled, never read) into a
-``STAGES``-deep shared-memory ring guarded by ready / empty mbarriers; the default partition, two
-consumer warpgroups side by side, runs S = Q.K^T with wgmma (A = Q from shared memory, B = the
-tile's K^T view; the 512 NoPE and 64 RoPE columns are separate power-of-two buffers), the online
-softmax in base 2 (row max exchanged across the warpgroups), and O += P.V over the first 512
-columns of the same tile (each warpgroup owns 256 value columns). Epilogue: O / l, LSE in natural
-log; a pseudo-head with no valid row gets out 0 and lse -inf; stores are bounded to the real rows
-(per-token tiles store O through the dead Q buffer in row-contiguous 16-byte pieces).
+Warp roles (``gl.warp_specialize``): a producer partition gathers 64-row kv tiles with 16-byte cp.async (invalid
+rows predicated off, zero-filled, never read) into a shared-memory ring guarded by ready / empty mbarriers; two
+consumer warpgroups run S = Q.K^T with wgmma (A = Q from shared memory, B = the tile's K^T view; the 512 NoPE and
+64 RoPE columns are separate power-of-two buffers), the online softmax in base 2, and O += P.V over the first 512
+columns of the same tile (each warpgroup owns 256 value columns). Two schedules (``SCHEDULES``):
 
-The "split" kernel is persistent (``PERSISTENT``): one CTA per SM loops over the work items (list, m-block);
-its producer loads each item's Q once the consumers have freed the buffer and gathers the item's first tiles
-while the consumers finish the previous one.
+* "pair" (the default, ``sparse_mqa_sm90_pair_kernel``; FlashMLA's SM90 design, read, not copied): each consumer
+  warpgroup computes the whole S of its own tile (N = 64 wgmma; even tiles warpgroup 0, odd tiles warpgroup 1),
+  the row max is chained 0 -> 1 through shared memory, and each multiplies its own P (registers) and the other's
+  (shared memory) by its V half, so one warpgroup's softmax overlaps the other's MMAs. Tiles are held as half
+  buffers (columns 0..255 and 256..575) with their own barriers, refilled as soon as their last reader is done.
+* "split" (``sparse_mqa_sm90_kernel``): both warpgroups work on the same tile, S split by kv columns (N = 32), the
+  row max and P exchanged by Triton's layout conversions. The only schedule with an FP8 producer.
+
+Epilogue: O / l, LSE in natural log; a pseudo-head with no valid row gets out 0 and lse -inf; stores are bounded to
+the real rows (per-token tiles store O through the dead Q buffer in row-contiguous 16-byte pieces). Both kernels are
+persistent (``PERSISTENT``): one CTA per SM loops over the work items (list, m-block); its producer loads each
+item's Q once the consumers have freed the buffer and gathers the item's first tiles while the consumers finish the
+previous one.
 
 FP8 cache (``KV_FP8``, kv the uint8 rows [N, 656] of an ``fp8_ds_mla`` cache, bf16 q, D_qk 576): the producer
 lands each row's 64 bf16 RoPE values by cp.async and dequantizes the 512 e4m3 NoPE values itself (register path:
@@ -31,7 +37,8 @@ H200 it is ~1.7x faster than the Triton kernel's FP8 gather but runs at ~0.8x of
 (NOTES-GPU.md: the producer's extra traffic through the SM's L1 / shared-memory path competes with the consumers'
 shared-memory-bound Q.K^T).
 
-Shared memory (bf16/fp16, D_qk 576): Q 72 KB + 2 stages x 72 KB + scratch = 225,316 B of 232,448 (227 KB).
+Shared memory (bf16/fp16, D_qk 576): Q 72 KB + 2 tiles x 72 KB + P / row-stat buffers = 231,168 B (pair) or
+225,332 B (split) of 232,448 (227 KB).
 
 The kernels are written against Triton's Gluon API of the versions in ``SUPPORTED_TRITON`` (the API
 moves between releases); ``sparse_mla.mqa.backends`` uses them only there, and CI compiles every
@@ -634,12 +641,12 @@ if GLUON_IMPORT_ERROR is None:
         mbarrier.arrive(bar, count=1)
 
     @gluon.jit
-    def _pair_wg0_step(s, o, m_i, l_i, i, k, q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, hb, bars,
+    def _pair_wg0_step(s, cols, o, m_i, l_i, i, k, q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, hb, bars,
                        rows_ptr, bits_ptr, row_stride, N, gid, n_rows, qi, qk_scale, GROUPED: gl.constexpr,
                        HAS_PE: gl.constexpr, NEXT: gl.constexpr):
-        """Warpgroup 0, pair i of the item (the CTA's pair k): S of tile 2i is in ``s`` (computed). With NEXT, the
-        Q.K^T of tile 2i + 2 is issued (L half) before the wait on P1.V1, so the two overlap, and returned
-        computed."""
+        """Warpgroup 0, pair i of the item (the CTA's pair k): S of tile 2i is in ``s`` (computed), its column
+        words in ``cols``. With NEXT, the Q.K^T of tile 2i + 2 is issued (L half) before the wait on P1.V1, so the
+        two overlap, and returned computed with that tile's column words (loaded before the waits)."""
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
         p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
@@ -649,7 +656,6 @@ if GLUON_IMPORT_ERROR is None:
         z = ((k + N) < 0).to(gl.int32)  # an opaque 0 (module comment)
         st0 = z
         st1 = 1 - z
-        cols = _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 2 * i, s_l, GROUPED)
         s = gl.where(_tile_allowed(cols, qi), s * qk_scale, float("-inf"))
         m0 = gl.maximum(m_i, gl.max(s, axis=1))
         _vec_store(s_m0, m0)
@@ -674,6 +680,7 @@ if GLUON_IMPORT_ERROR is None:
         mbarrier.wait(bars.index(3), k & 1)  # P1 ready
         o = warpgroup_mma(s_p1, ring_l.index(st1), o, is_async=True)
         if NEXT:
+            cols = _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 2 * i + 2, s_l, GROUPED)
             mbarrier.wait(hb.index(0), (k + 1) & 1)  # L0 of tile 2i + 2 landed
             fence_async_shared()
             s = _pair_qk_half(q_v, ring_l, 0, st0, z, s, False)  # the dead S as accumulator: no zeros kept live
@@ -690,7 +697,7 @@ if GLUON_IMPORT_ERROR is None:
             o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
             _pair_release(bars.index(4))  # P1 buffer free
             mbarrier.arrive(hb.index(5), count=1)  # L1 free
-        return s, o, m1, l_i
+        return s, cols, o, m1, l_i
 
     @gluon.jit
     def _pair_wg0(q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, hb, bars, q_bars, rows_ptr, bits_ptr,
@@ -714,6 +721,7 @@ if GLUON_IMPORT_ERROR is None:
             l_i = gl.zeros([_BH], gl.float32, layout=rows_s)
             o = gl.zeros([_BH, 256], gl.float32, layout=o_l)
             s = gl.zeros([_BH, _BN], gl.float32, layout=s_l)
+            cols = _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 0, s_l, GROUPED)
             mbarrier.wait(q_bars.index(0), it & 1)  # Q landed
             fence_async_shared()
             if n_pairs > 0:
@@ -728,13 +736,14 @@ if GLUON_IMPORT_ERROR is None:
                     s = _pair_qk_rope(q_r, ring_r, z, z, s)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
             for i in range(n_pairs - 1):
-                s, o, m_i, l_i = _pair_wg0_step(s, o, m_i, l_i, i, k + i, q_v, q_r, ring_l, ring_h, ring_r, s_p0,
-                                                s_p1, s_m0, s_m1, hb, bars, rows_ptr, bits_ptr, row_stride, N, gid,
-                                                n_rows, qi, qk_scale, GROUPED, HAS_PE, True)
+                s, cols, o, m_i, l_i = _pair_wg0_step(s, cols, o, m_i, l_i, i, k + i, q_v, q_r, ring_l, ring_h,
+                                                      ring_r, s_p0, s_p1, s_m0, s_m1, hb, bars, rows_ptr, bits_ptr,
+                                                      row_stride, N, gid, n_rows, qi, qk_scale, GROUPED, HAS_PE, True)
             if n_pairs > 0:
-                s, o, m_i, l_i = _pair_wg0_step(s, o, m_i, l_i, n_pairs - 1, k + n_pairs - 1, q_v, q_r, ring_l,
-                                                ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, hb, bars, rows_ptr, bits_ptr,
-                                                row_stride, N, gid, n_rows, qi, qk_scale, GROUPED, HAS_PE, False)
+                s, cols, o, m_i, l_i = _pair_wg0_step(s, cols, o, m_i, l_i, n_pairs - 1, k + n_pairs - 1, q_v, q_r,
+                                                      ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, hb, bars,
+                                                      rows_ptr, bits_ptr, row_stride, N, gid, n_rows, qi, qk_scale,
+                                                      GROUPED, HAS_PE, False)
             _pair_epilogue(o, l_i, m_i, s_l0, s_l1, bars, it, q_v, q_bars, out_ptr, lse_ptr, mb, tok0, H,
                            n_heads, stride_ot, stride_oh, stride_lt, has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink,
                            has_maxl, 0, GROUPED, O_VIA_SMEM)
@@ -882,7 +891,9 @@ STAGES = 2
 # "split": sparse_mqa_sm90_kernel (S split by kv columns across two warpgroups of one partition);
 # "pair": sparse_mqa_sm90_pair_kernel (FlashMLA's split: a kv tile per warpgroup, ping-pong on the tensor core).
 SCHEDULES = ("split", "pair")
-SCHEDULE = os.environ.get("SPARSE_MLA_GLUON_SCHEDULE", "split")  # split measured faster: NOTES-GPU.md
+# The schedule of bf16 / fp16 caches: pair measured 1.12-1.25x faster than split (NOTES-GPU.md, session 7). An fp8_ds_mla
+# cache always runs split (``schedule_for``): only its producer dequantizes.
+SCHEDULE = os.environ.get("SPARSE_MLA_GLUON_SCHEDULE", "pair")
 # Timing knob of the split schedule (bitmask: 1 no row max, 2 no P.V, 4 no row sum, 8 no Q.K^T, 16 no O rescale):
 # wrong results, only for placing time inside the kernel (scripts/bench_gluon.py --ablate). 0 in production.
 ABLATE = 0
@@ -898,6 +909,13 @@ FP8_PRODUCER_REGS = int(os.environ.get("SPARSE_MLA_GLUON_FP8_PRODUCER_REGS", "72
 FP8_SCHEDULES = ("split", )  # schedules with an fp8_ds_mla variant (D_qk 576, bf16 q: its RoPE part is bf16)
 
 
+def schedule_for(kv_fp8: bool) -> str:
+    """The schedule a launch runs: ``SCHEDULE`` on a bf16 / fp16 cache, the FP8 schedule on an fp8_ds_mla one."""
+    if not kv_fp8:
+        return SCHEDULE
+    return SCHEDULE if SCHEDULE in FP8_SCHEDULES else FP8_SCHEDULES[0]
+
+
 def _kernel_for(schedule: str):
     if schedule not in SCHEDULES:
         raise ValueError(f"SPARSE_MLA_GLUON_SCHEDULE must be one of {SCHEDULES}, got {schedule!r}")
@@ -910,7 +928,7 @@ def variant_constexprs(grouped: bool, has_pe: bool, schedule: str | None = None,
     on an fp8_ds_mla cache with bf16 q; each compiled for sm_90 in CI)."""
     if kv_fp8 and not has_pe:
         raise ValueError("an fp8_ds_mla variant needs D_qk 576 (has_pe): the format's rows are 576 wide")
-    if (schedule or SCHEDULE) == "split":
+    if (schedule or schedule_for(kv_fp8)) == "split":
         return dict(GROUPED=grouped, HAS_PE=has_pe, STAGES=STAGES, PRODUCER_WARPS=PRODUCER_WARPS,
                     PRODUCER_REGS=FP8_PRODUCER_REGS if kv_fp8 else PRODUCER_REGS, ABLATE=ABLATE,
                     O_VIA_SMEM=O_VIA_SMEM and not grouped, KV_FP8=kv_fp8, num_warps=CONSUMER_WARPS)
@@ -976,7 +994,7 @@ def launch(q, kv, rows, bits, nrows, group_start, group_len, route, out, lse, sm
     dummy = rows  # an int32 placeholder for absent int32 inputs
     f32, i8 = _placeholders(q.device)  # typed placeholders keep the argument types, hence the compiled variant, fixed
     grid = min(num_work, _num_sms(q.device)) if PERSISTENT else num_work
-    _kernel_for(SCHEDULE)[(grid, )](
+    _kernel_for(schedule_for(kv_fp8))[(grid, )](
         q, kv, rows, bits if bits is not None else dummy, nrows if nrows is not None else dummy,
         group_start if group_start is not None else dummy, group_len if group_len is not None else dummy,
         route if route is not None else i8, out, lse if lse is not None else f32,
