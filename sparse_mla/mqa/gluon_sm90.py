@@ -700,6 +700,26 @@ if GLUON_IMPORT_ERROR is None:
         return s, cols, o, m1, l_i
 
     @gluon.jit
+    def _pair_item(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K, m_blocks, group_heads, has_nrows, has_route,
+                   GROUPED: gl.constexpr):
+        """A consumer warpgroup's start of work item w: (gid, mb, tok0, n_rows, n_heads, pairs of tiles, this CTA's
+        item count, each S row's query in the group (-1 past the real pseudo-heads), and fresh m, l, O, S)."""
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
+        rows_s: gl.constexpr = gl.SliceLayout(1, s_l)
+        gid, mb, tok0, n_rows, n_heads = _resolve_item(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K, m_blocks,
+                                                       group_heads, has_nrows, has_route, GROUPED)
+        n_pairs = gl.cdiv(n_rows, 2 * _BN)
+        it = (w - gl.program_id(0)) // gl.num_programs(0)
+        p_s = mb * _BH + gl.arange(0, _BH, layout=rows_s)
+        qi = gl.where(p_s < n_heads, p_s // H, -1)
+        m_i = gl.full([_BH], _NEG, gl.float32, layout=rows_s)
+        l_i = gl.zeros([_BH], gl.float32, layout=rows_s)
+        o = gl.zeros([_BH, 256], gl.float32, layout=o_l)
+        s = gl.zeros([_BH, _BN], gl.float32, layout=s_l)
+        return gid, mb, tok0, n_rows, n_heads, n_pairs, it, qi, m_i, l_i, o, s
+
+    @gluon.jit
     def _pair_wg0(q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, hb, bars, q_bars, rows_ptr, bits_ptr,
                   nrows_ptr, gstart_ptr, glen_ptr, route_ptr, row_stride, N, H, K, m_blocks, group_heads, has_nrows,
                   has_route, num_work, out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, qk_scale, has_lse, sink_ptr,
@@ -707,20 +727,11 @@ if GLUON_IMPORT_ERROR is None:
                   O_VIA_SMEM: gl.constexpr):
         """Warpgroup 0: S of the even tiles (stage 0), O[:, 0:256]; per work item of this CTA."""
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-        o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
-        rows_s: gl.constexpr = gl.SliceLayout(1, s_l)
         k = 0
         for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
-            gid, mb, tok0, n_rows, n_heads = _resolve_item(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
-                                                           m_blocks, group_heads, has_nrows, has_route, GROUPED)
-            n_pairs = gl.cdiv(n_rows, 2 * _BN)
-            it = (w - gl.program_id(0)) // gl.num_programs(0)
-            p_s = mb * _BH + gl.arange(0, _BH, layout=rows_s)
-            qi = gl.where(p_s < n_heads, p_s // H, -1)
-            m_i = gl.full([_BH], _NEG, gl.float32, layout=rows_s)
-            l_i = gl.zeros([_BH], gl.float32, layout=rows_s)
-            o = gl.zeros([_BH, 256], gl.float32, layout=o_l)
-            s = gl.zeros([_BH, _BN], gl.float32, layout=s_l)
+            gid, mb, tok0, n_rows, n_heads, n_pairs, it, qi, m_i, l_i, o, s = _pair_item(
+                w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K, m_blocks, group_heads, has_nrows, has_route,
+                GROUPED)
             cols = _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 0, s_l, GROUPED)
             mbarrier.wait(q_bars.index(0), it & 1)  # Q landed
             fence_async_shared()
@@ -764,16 +775,9 @@ if GLUON_IMPORT_ERROR is None:
         dt: gl.constexpr = ring_l.dtype
         k = 0
         for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
-            gid, mb, tok0, n_rows, n_heads = _resolve_item(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
-                                                           m_blocks, group_heads, has_nrows, has_route, GROUPED)
-            n_pairs = gl.cdiv(n_rows, 2 * _BN)
-            it = (w - gl.program_id(0)) // gl.num_programs(0)
-            p_s = mb * _BH + gl.arange(0, _BH, layout=rows_s)
-            qi = gl.where(p_s < n_heads, p_s // H, -1)
-            m_i = gl.full([_BH], _NEG, gl.float32, layout=rows_s)
-            l_i = gl.zeros([_BH], gl.float32, layout=rows_s)
-            o = gl.zeros([_BH, 256], gl.float32, layout=o_l)
-            s = gl.zeros([_BH, _BN], gl.float32, layout=s_l)
+            gid, mb, tok0, n_rows, n_heads, n_pairs, it, qi, m_i, l_i, o, s = _pair_item(
+                w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K, m_blocks, group_heads, has_nrows, has_route,
+                GROUPED)
             mbarrier.wait(q_bars.index(0), it & 1)  # Q landed
             fence_async_shared()
             for i in range(n_pairs):
