@@ -1,0 +1,63 @@
+"""Two measurements for the pair schedule (session 7), both with their baseline in the same run:
+
+1. per token at 16 / 32 heads over token counts: the Gluon pair kernel against the Triton kernel (the backend
+   selection's few-heads rule, ``backends.triton_small_tiles_win``, was fitted to the split schedule);
+2. grouped tiles with O stored through the Q buffer (row-contiguous 16-byte pieces) against the direct store
+   (``variant_constexprs`` keeps the direct store for grouped tiles).
+
+    python scripts/probe_pair.py --json results/probe-pair.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_gluon import grouped_rows, per_token_rows  # noqa: E402
+
+from sparse_mla.bench.report import git_revision  # noqa: E402
+from sparse_mla.mqa import gluon_sm90  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", required=True, help="where to write the results JSON")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    rows = []
+    for H in (16, 32):
+        for T in (2048, 4096, 16384):
+            for r in per_token_rows(H, T, 2048, max(32768, T + 4096), dev, ["gluon_sm90:pair", "triton"]):
+                r["case"] += f" T{T}"
+                rows.append(r)
+    plain = gluon_sm90.variant_constexprs
+    for via_smem in (False, True):
+        gluon_sm90.variant_constexprs = (lambda *args, **kw: plain(*args, **kw) | {"O_VIA_SMEM": True}) \
+            if via_smem else plain
+        try:
+            for H in (16, 32, 8):
+                for r in grouped_rows(H, 16384, 8192, 2048, dev, ["gluon_sm90:pair"]):
+                    r["case"] += " O via smem" if via_smem else " O direct"
+                    rows.append(r)
+        finally:
+            gluon_sm90.variant_constexprs = plain
+    meta = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv), git_revision=git_revision(),
+                gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                torch=torch.__version__, triton=triton.__version__,
+                timing="triton.testing.do_bench median (warmup 50 ms, rep 300 ms), L2 flushed")
+    with open(a.json, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"\n{'case':<44} {'backend':<17} {'ms':>8} {'TFLOP/s':>8} {'row err':>8}")
+    for r in rows:
+        print(f"{r['case']:<44} {r['backend']:<17} {r['ms']:8.3f} {r['tflops']:8.1f} {r['max_row_err']:8.1e}")
+
+
+if __name__ == "__main__":
+    main()
