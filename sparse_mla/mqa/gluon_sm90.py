@@ -24,7 +24,8 @@ columns of the same tile (each warpgroup owns 256 value columns). Two schedules 
   row max and P exchanged by Triton's layout conversions. The only schedule with an FP8 producer.
 
 Epilogue: O / l, LSE in natural log; a pseudo-head with no valid row gets out 0 and lse -inf; stores are bounded to
-the real rows (per-token tiles store O through the dead Q buffer in row-contiguous 16-byte pieces). Both kernels are
+the real rows (O goes through the dead Q buffer in row-contiguous 16-byte pieces: every pair tile, split's per-token
+tiles). Both kernels are
 persistent (``PERSISTENT``): one CTA per SM loops over the work items (list, m-block); its producer loads each
 item's Q once the consumers have freed the buffer and gathers the item's first tiles while the consumers finish the
 previous one.
@@ -901,8 +902,9 @@ SCHEDULE = os.environ.get("SPARSE_MLA_GLUON_SCHEDULE", "pair")
 # Timing knob of the split schedule (bitmask: 1 no row max, 2 no P.V, 4 no row sum, 8 no Q.K^T, 16 no O rescale):
 # wrong results, only for placing time inside the kernel (scripts/bench_gluon.py --ablate). 0 in production.
 ABLATE = 0
-# Split schedule, per-token tiles: O stored through shared memory in 16-byte row-contiguous pieces (results/gluon-v6.json:
-# 413 vs 402 TFLOP/s at 64 heads, 423 vs 408 at 128); grouped tiles keep the direct store (2.11 vs 2.07 ms there).
+# O stored through shared memory in 16-byte row-contiguous pieces: split, per-token tiles (results/gluon-v6.json: 413 vs
+# 402 TFLOP/s at 64 heads, 423 vs 408 at 128; its grouped tiles keep the direct store, 2.11 vs 2.07 ms there); pair,
+# every tile (results/probe-pair.json: grouped 1.570 vs 1.611 ms at 16 heads, 3.000 vs 3.049 at 32, 0.853 vs 0.869 at 8).
 O_VIA_SMEM = os.environ.get("SPARSE_MLA_GLUON_O_VIA_SMEM", "1") == "1"
 # Split schedule: one CTA per SM looping over the work items (the next item's first tiles land during this one's
 # epilogue) instead of one CTA per item.
@@ -938,8 +940,7 @@ def variant_constexprs(grouped: bool, has_pe: bool, schedule: str | None = None,
                     O_VIA_SMEM=O_VIA_SMEM and not grouped, KV_FP8=kv_fp8, num_warps=CONSUMER_WARPS)
     if kv_fp8:
         raise ValueError("the pair schedule has no fp8_ds_mla variant (FP8_SCHEDULES)")
-    return dict(GROUPED=grouped, HAS_PE=has_pe, CONSUMER_REGS=PAIR_CONSUMER_REGS, O_VIA_SMEM=O_VIA_SMEM and not grouped,
-                num_warps=4)
+    return dict(GROUPED=grouped, HAS_PE=has_pe, CONSUMER_REGS=PAIR_CONSUMER_REGS, O_VIA_SMEM=O_VIA_SMEM, num_warps=4)
 
 
 _PLACEHOLDERS: dict = {}
