@@ -274,10 +274,8 @@ def _fp8_selection_inputs(dtype=torch.bfloat16, d_qk=576):
     return q, FMT.as_rows(torch.zeros(32, 656, dtype=torch.uint8))
 
 
-def test_fp8_cache_selects_gluon_with_bf16_q_on_hopper(hopper, monkeypatch):
-    from sparse_mla.mqa import backends, gluon_sm90
-
-    monkeypatch.setattr(gluon_sm90, "SCHEDULE", "split")  # the schedule with the few-heads rule for bf16 caches
+def test_fp8_cache_selects_gluon_with_bf16_q_on_hopper(hopper):
+    from sparse_mla.mqa import backends
 
     q, rows = _fp8_selection_inputs()
     assert backends.fp8_kv_reason(q.dtype, q.shape[-1]) is None

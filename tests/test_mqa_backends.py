@@ -19,23 +19,12 @@ def test_auto_picks_gluon_on_hopper(hopper):
     assert backends.select_backend(*_qkv(H=16), pseudo_heads=128)[0] == "gluon_sm90"  # a grouped tile
 
 
-def test_few_heads_per_tile_stay_on_triton_on_the_split_schedule(hopper, monkeypatch):
-    monkeypatch.setattr(gluon_sm90, "SCHEDULE", "split")
+def test_few_heads_per_tile_stay_on_triton(hopper):
     T = backends.GLUON_FEW_HEADS_MAX_TOKENS + 1
     q, kv = torch.zeros(T, 16, 576, dtype=torch.bfloat16), torch.zeros(100, 576, dtype=torch.bfloat16)
     name, why = backends.select_backend(q, kv)
     assert name == "triton" and "pseudo-heads per tile" in why
     assert backends.select_backend(q[: T - 1], kv)[0] == "gluon_sm90"  # a short step fills more of the GPU this way
-
-
-def test_few_heads_per_tile_take_gluon_on_the_pair_schedule(hopper, monkeypatch):
-    """The pair schedule beats the Triton kernel's small tiles at 16 / 32 heads (results/probe-pair.json)."""
-    monkeypatch.setattr(gluon_sm90, "SCHEDULE", "pair")
-    q, kv = torch.zeros(4 * backends.GLUON_FEW_HEADS_MAX_TOKENS, 16, 576, dtype=torch.bfloat16), \
-        torch.zeros(100, 576, dtype=torch.bfloat16)
-    assert backends.select_backend(q, kv)[0] == "gluon_sm90"
-    assert not backends.triton_small_tiles_win(16, 100_000, kv_fp8=False)
-    assert backends.describe_for_device(num_heads=16, num_tokens=100_000).startswith("attention backend: ")
 
 
 @pytest.mark.parametrize("cap", [(8, 0), (10, 0), (12, 0)])

@@ -96,12 +96,17 @@ def gluon_sm90_applies(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | No
     return True, why
 
 
-# The Gluon kernel's tile is 64 pseudo-heads; on the split schedule, below this many per tile the Triton kernel's
-# 16/32-row tiles win. Measured on the H200 (results/gluon-v3.json, per token, T 8192, topk 2048): 16 heads split
-# 5.47 ms vs Triton 4.14 ms; 32 heads 5.55 vs 5.82 ms; 64 heads 5.90 vs 9.29 ms. The pair schedule beats Triton at
-# 16 / 32 heads (results/probe-pair.json: 1.03-1.07x / 1.37-1.42x from 2K to 16K tokens), so the rule is split's
-# only. Grouped tiles hold G * H = 128 pseudo-heads.
+# The Gluon kernel's tile is 64 pseudo-heads; below this many per tile the Triton kernel's 16/32-row tiles win.
+# Measured on the H200 (results/gluon-v3.json, per token, T 8192, topk 2048): 16 heads Gluon 5.47 ms vs Triton
+# 4.14 ms; 32 heads 5.55 vs 5.82 ms; 64 heads 5.90 vs 9.29 ms. Grouped tiles hold G * H = 128 pseudo-heads.
 GLUON_MIN_PSEUDO_HEADS = 32
+# The pair schedule (the default since session 7) beats the Triton kernel per token at 16 / 32 heads on every token
+# count measured (results/probe-pair.json: 1.03-1.07x / 1.37-1.42x, 2K-16K tokens, every token computed), but the
+# rule stays for it: with the rule off, the grouped layer calls of results/bench-1cd465e.json ran ~8% slower (2.20
+# vs 2.02 ms at 8K tokens, 16 heads), the likely cause being the grouped path's per-token pass, a launch over every
+# token with most of them routed away, where the persistent Gluon kernel still walks each empty item (Q copy,
+# barriers, epilogue) while a Triton program exits at once. Not confirmed by a separate run; skipping empty items in
+# the kernel is the fix to try before dropping the rule.
 # ... except on short steps, where the Triton kernel's 16-row programs are too few to fill the GPU. Weak evidence,
 # from the layer bench (results/bench-a704472.json): 32K cached + 256 / + 900 new tokens at 16 heads ran in
 # 0.69-0.79 ms with Gluon on q padded to 64 heads against 0.85-0.97 ms per token with Triton (layer calls, not
@@ -116,13 +121,8 @@ GLUON_FEW_HEADS_MAX_TOKENS = 1024
 def triton_small_tiles_win(pseudo_heads: int, num_tokens: int, kv_fp8: bool) -> bool:
     """Whether the automatic choice takes the Triton kernel although the Gluon one applies: fewer than
     ``GLUON_MIN_PSEUDO_HEADS`` pseudo-heads per tile on more than ``GLUON_FEW_HEADS_MAX_TOKENS`` tokens of a bf16 /
-    fp16 cache on the split schedule (never on an fp8_ds_mla cache, never on the pair schedule: it beats the Triton
-    kernel at 16 / 32 heads from 2K to 16K tokens, results/probe-pair.json). The one rule ``select_backend`` and
-    ``describe_for_device`` share."""
-    from . import gluon_sm90
-
-    return (pseudo_heads < GLUON_MIN_PSEUDO_HEADS and num_tokens > GLUON_FEW_HEADS_MAX_TOKENS and not kv_fp8
-            and gluon_sm90.SCHEDULE == "split")
+    fp16 cache (never on an fp8_ds_mla cache). The one rule ``select_backend`` and ``describe_for_device`` share."""
+    return pseudo_heads < GLUON_MIN_PSEUDO_HEADS and num_tokens > GLUON_FEW_HEADS_MAX_TOKENS and not kv_fp8
 
 
 def select_backend(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None = None,
@@ -130,9 +130,8 @@ def select_backend(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None =
     """(backend, reason) for a launch on these tensors, honouring ``SPARSE_MLA_MQA_BACKEND``.
 
     ``pseudo_heads``: rows of one attention tile (H per token; G * H grouped; default H). Automatic
-    selection takes the Gluon kernel wherever it applies, except on the split schedule below
-    ``GLUON_MIN_PSEUDO_HEADS`` pseudo-heads on more than ``GLUON_FEW_HEADS_MAX_TOKENS`` tokens of a bf16 / fp16 cache
-    (``triton_small_tiles_win``).
+    selection takes the Gluon kernel from ``GLUON_MIN_PSEUDO_HEADS`` up, and below that only for steps of at
+    most ``GLUON_FEW_HEADS_MAX_TOKENS`` tokens (an fp8_ds_mla cache: at every head count).
 
     Raises:
         ValueError: the variable names an unknown backend, or forces one that does not apply here.
