@@ -2,7 +2,7 @@
 under Nsight Compute, e.g.
 
     ncu --kernel-name regex:sparse_mqa --launch-skip 2 --launch-count 1 --set full \
-        python scripts/ncu_gluon.py --heads 64 --tokens 2048 [--schedule split]
+        python scripts/ncu_gluon.py --heads 64 --tokens 2048 [--schedule pair|split]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--schedule", default="split", choices=gluon_sm90.SCHEDULES)
+    ap.add_argument("--schedule", default=gluon_sm90.SCHEDULE, choices=gluon_sm90.SCHEDULES)
     a = ap.parse_args()
     os.environ["SPARSE_MLA_MQA_BACKEND"] = "gluon_sm90"
     gluon_sm90.SCHEDULE = a.schedule

@@ -34,9 +34,9 @@ FP8 cache (``KV_FP8``, kv the uint8 rows [N, 656] of an ``fp8_ds_mla`` cache, bf
 lands each row's 64 bf16 RoPE values by cp.async and dequantizes the 512 e4m3 NoPE values itself (register path:
 16-byte loads, the hardware e4m3 -> f16x2 conversion, x the row's fp32 tile scale, rounded to bf16, st.shared into
 the same ring), so the consumers are unchanged; ``FP8_PRODUCER_REGS`` registers per producer thread. Measured on the
-H200 it is ~1.7x faster than the Triton kernel's FP8 gather but runs at ~0.8x of this kernel on a bf16 cache
-(NOTES-GPU.md: the producer's extra traffic through the SM's L1 / shared-memory path competes with the consumers'
-shared-memory-bound Q.K^T).
+H200 it is ~1.7x faster than the Triton kernel's FP8 gather but runs at ~0.8x of the split kernel on a bf16 cache
+and ~0.65x of the default pair kernel there (NOTES-GPU.md: the producer's extra traffic through the SM's L1 /
+shared-memory path competes with the consumers' shared-memory-bound Q.K^T).
 
 Shared memory (bf16/fp16, D_qk 576): Q 72 KB + 2 tiles x 72 KB + P / row-stat buffers = 231,168 B (pair) or
 225,332 B (split) of 232,448 (227 KB).
@@ -116,17 +116,11 @@ if GLUON_IMPORT_ERROR is None:
             return p, tok0 + p * 0, p
 
     @gluon.jit
-    def _resolve_list(nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K, m_blocks, group_heads, has_nrows, has_route,
-                      GROUPED: gl.constexpr):
-        """This CTA's list and m-block (1-D grid, m-blocks of a list adjacent): (gid, mb, first token, rows of the
-        list, real pseudo-heads). A group with group_len 0 or a token with route 0 gets 0 rows and 0 heads."""
-        return _resolve_item(gl.program_id(0), nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K, m_blocks, group_heads,
-                             has_nrows, has_route, GROUPED)
-
-    @gluon.jit
     def _resolve_item(pid, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K, m_blocks, group_heads, has_nrows,
                       has_route, GROUPED: gl.constexpr):
-        """Work item ``pid`` (list pid // m_blocks, m-block pid % m_blocks): see ``_resolve_list``."""
+        """Work item ``pid`` (list pid // m_blocks, m-block pid % m_blocks, m-blocks of a list adjacent): (gid, mb,
+        first token, rows of the list, real pseudo-heads). A group with group_len 0 or a token with route 0 gets
+        0 rows and 0 heads."""
         gid = pid // m_blocks
         mb = pid % m_blocks
         if GROUPED:
@@ -147,20 +141,10 @@ if GLUON_IMPORT_ERROR is None:
         return gid, mb, tok0, n_rows, n_heads
 
     @gluon.jit
-    def _load_q(q_ptr, q_v, q_r, stride_qt, stride_qh, mb, tok0, H, n_heads, GROUPED: gl.constexpr,
-                HAS_PE: gl.constexpr):
-        """Q tile [64, D_qk] into shared memory: pseudo-head rows gathered with cp.async (rows past the real ones
-        zero-filled), waited and fenced for wgmma, by every warp of the calling partition."""
-        _issue_q(q_ptr, q_v, q_r, stride_qt, stride_qh, mb, tok0, H, n_heads, GROUPED, HAS_PE)
-        async_copy.commit_group()
-        async_copy.wait_group(0)
-        fence_async_shared()
-        gl.thread_barrier()
-
-    @gluon.jit
     def _issue_q(q_ptr, q_v, q_r, stride_qt, stride_qh, mb, tok0, H, n_heads, GROUPED: gl.constexpr,
                  HAS_PE: gl.constexpr):
-        """The Q tile's cp.async copies (``_load_q`` without the wait), by the producer of a persistent CTA."""
+        """The Q tile [64, D_qk] of an item as cp.async copies into shared memory (pseudo-head rows gathered, rows past
+        the real ones zero-filled), issued by the producer of a persistent CTA (the caller arrives on a barrier)."""
         blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
         p_q, q_tok, q_head = _pseudo_heads(mb, tok0, H, gl.SliceLayout(1, blk), GROUPED)
         q_ok = p_q < n_heads
@@ -288,14 +272,6 @@ if GLUON_IMPORT_ERROR is None:
                     _gather_tile(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, c + j, ring_v, ring_r,
                                  ready, empty, HAS_PE, STAGES)
             c += n_tiles
-
-    @gluon.jit
-    def _producer(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, n_tiles, ring_v, ring_r, ready, empty,
-                  HAS_PE: gl.constexpr, STAGES: gl.constexpr):
-        """Gather kv tiles [64, D_qk] of list ``gid`` into the ring with 16-byte cp.async (one list per CTA)."""
-        for j in range(n_tiles):
-            _gather_tile(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, j, ring_v, ring_r, ready, empty,
-                         HAS_PE, STAGES)
 
     @gluon.jit
     def _epilogue_stats(l_i, m_i, hh, row_ok, tok, lse_ptr, stride_lt, has_lse, sink_ptr, maxl_ptr, stride_mt,
@@ -654,7 +630,7 @@ if GLUON_IMPORT_ERROR is None:
         rows_s: gl.constexpr = gl.SliceLayout(1, s_l)
         rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
         dt: gl.constexpr = ring_l.dtype
-        z = ((k + N) < 0).to(gl.int32)  # an opaque 0 (module comment)
+        z = ((k + N) < 0).to(gl.int32)  # an opaque 0 (module comment; k + N < 2**31: pairs and kv rows are int32 counts)
         st0 = z
         st1 = 1 - z
         s = gl.where(_tile_allowed(cols, qi), s * qk_scale, float("-inf"))
@@ -887,8 +863,9 @@ if GLUON_IMPORT_ERROR is None:
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
-# Launch configuration (measured on the H200: NOTES-GPU.md). The default partition is the two consumer
-# warpgroups (8 warps); the producer worker gets PRODUCER_REGS registers per thread.
+# Launch configuration (measured on the H200: NOTES-GPU.md). Split: the default partition is the two consumer
+# warpgroups (8 warps), the producer worker gets PRODUCER_REGS registers per thread. Pair: the default partition is
+# the 4-warp producer, each consumer warpgroup a worker with PAIR_CONSUMER_REGS.
 CONSUMER_WARPS = 8
 PRODUCER_WARPS = 4
 PRODUCER_REGS = 40
@@ -896,8 +873,8 @@ STAGES = 2
 # "split": sparse_mqa_sm90_kernel (S split by kv columns across two warpgroups of one partition);
 # "pair": sparse_mqa_sm90_pair_kernel (FlashMLA's split: a kv tile per warpgroup, ping-pong on the tensor core).
 SCHEDULES = ("split", "pair")
-# The schedule of bf16 / fp16 caches: pair measured 1.12-1.25x faster than split (NOTES-GPU.md, session 7). An fp8_ds_mla
-# cache always runs split (``schedule_for``): only its producer dequantizes.
+# The schedule of bf16 / fp16 caches: pair measured 1.23-1.36x faster than split (results/gluon-v12-full.json; NOTES-GPU.md,
+# session 7). An fp8_ds_mla cache always runs split (``schedule_for``): only its producer dequantizes.
 SCHEDULE = os.environ.get("SPARSE_MLA_GLUON_SCHEDULE", "pair")
 # Timing knob of the split schedule (bitmask: 1 no row max, 2 no P.V, 4 no row sum, 8 no Q.K^T, 16 no O rescale):
 # wrong results, only for placing time inside the kernel (scripts/bench_gluon.py --ablate). 0 in production.
@@ -906,7 +883,7 @@ ABLATE = 0
 # 402 TFLOP/s at 64 heads, 423 vs 408 at 128; its grouped tiles keep the direct store, 2.11 vs 2.07 ms there); pair,
 # every tile (results/probe-pair.json: grouped 1.570 vs 1.611 ms at 16 heads, 3.000 vs 3.049 at 32, 0.853 vs 0.869 at 8).
 O_VIA_SMEM = os.environ.get("SPARSE_MLA_GLUON_O_VIA_SMEM", "1") == "1"
-# Split schedule: one CTA per SM looping over the work items (the next item's first tiles land during this one's
+# Both schedules: one CTA per SM looping over the work items (the next item's first tiles land during this one's
 # epilogue) instead of one CTA per item.
 PERSISTENT = os.environ.get("SPARSE_MLA_GLUON_PERSISTENT", "1") == "1"
 PAIR_CONSUMER_REGS = 232  # each consumer warpgroup; the producer (the default partition) gets what is left
@@ -999,7 +976,8 @@ def launch(q, kv, rows, bits, nrows, group_start, group_len, route, out, lse, sm
     dummy = rows  # an int32 placeholder for absent int32 inputs
     f32, i8 = _placeholders(q.device)  # typed placeholders keep the argument types, hence the compiled variant, fixed
     grid = min(num_work, _num_sms(q.device)) if PERSISTENT else num_work
-    _kernel_for(schedule_for(kv_fp8))[(grid, )](
+    schedule = schedule_for(kv_fp8)
+    _kernel_for(schedule)[(grid, )](
         q, kv, rows, bits if bits is not None else dummy, nrows if nrows is not None else dummy,
         group_start if group_start is not None else dummy, group_len if group_len is not None else dummy,
         route if route is not None else i8, out, lse if lse is not None else f32,
@@ -1009,7 +987,7 @@ def launch(q, kv, rows, bits, nrows, group_start, group_len, route, out, lse, sm
         int(nrows is not None), int(route is not None), int(lse is not None),
         attn_sink if attn_sink is not None else f32, max_logits if max_logits is not None else f32,
         max_logits.stride(0) if max_logits is not None else 0, int(attn_sink is not None), int(max_logits is not None),
-        num_work, **variant_constexprs(grouped, D > D_V, kv_fp8=kv_fp8),
+        num_work, **variant_constexprs(grouped, D > D_V, schedule, kv_fp8),
     )
 
 
