@@ -58,6 +58,16 @@ def use(name):
         gluon_sm90.SCHEDULE = schedule
 
 
+def write_json(path, rows):
+    """The rows with the run's meta (command, git revision, GPU, date, versions, timing) as JSON."""
+    meta = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv), git_revision=git_revision(),
+                gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                torch=torch.__version__, triton=triton.__version__,
+                timing="triton.testing.do_bench median (warmup 50 ms, rep 300 ms), L2 flushed")
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
 def timed(fn):
     return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
 
@@ -155,12 +165,7 @@ def main():
         rows += per_token_rows(H, 8192, 2048, 32768, dev, names)
     for H in (() if a.ablate else (16, ) if a.quick else (16, 32, 8)):
         rows += grouped_rows(H, 16384, 8192, 2048, dev, names)
-    meta = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv), git_revision=git_revision(),
-                gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                torch=torch.__version__, triton=triton.__version__,
-                timing="triton.testing.do_bench median (warmup 50 ms, rep 300 ms), L2 flushed")
-    with open(a.json, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    write_json(a.json, rows)
     print(f"\n{'case':<34} {'backend':<17} {'ms':>8} {'TFLOP/s':>8} {'floor ms':>8} {'row err':>8}")
     for r in rows:
         print(f"{r['case']:<34} {r['backend']:<17} {r['ms']:8.3f} {r['tflops']:8.1f} {r['floor_ms']:8.3f} "

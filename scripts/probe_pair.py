@@ -11,18 +11,14 @@
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 
 import torch
-import triton
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_gluon import grouped_rows, per_token_rows  # noqa: E402
+from bench_gluon import grouped_rows, per_token_rows, write_json  # noqa: E402
 
-from sparse_mla.bench.report import git_revision  # noqa: E402
 from sparse_mla.mqa import gluon_sm90  # noqa: E402
 
 
@@ -48,12 +44,7 @@ def main():
                     rows.append(r)
         finally:
             gluon_sm90.variant_constexprs = plain
-    meta = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv), git_revision=git_revision(),
-                gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                torch=torch.__version__, triton=triton.__version__,
-                timing="triton.testing.do_bench median (warmup 50 ms, rep 300 ms), L2 flushed")
-    with open(a.json, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    write_json(a.json, rows)
     print(f"\n{'case':<44} {'backend':<17} {'ms':>8} {'TFLOP/s':>8} {'row err':>8}")
     for r in rows:
         print(f"{r['case']:<44} {r['backend']:<17} {r['ms']:8.3f} {r['tflops']:8.1f} {r['max_row_err']:8.1e}")
