@@ -12,6 +12,8 @@ and not timed, as ``scripts/bench_gluon.py`` times it), the rows:
 * ``fp8``: the FP8 cache through the selection point (on an H200 with bf16 q: the Gluon kernel, whose producer
   dequantizes in registers; elsewhere the Triton kernel with ``KV_FP8``).
 * ``fp8 triton``: the FP8 cache forced onto the Triton kernel (``triton_tl.LAUNCH_CONFIGS_FP8``).
+* ``fp8 gluon:<schedule>``: where the Gluon kernel takes the FP8 cache, the same on each schedule of
+  ``gluon_sm90.FP8_SCHEDULES`` other than the one the selection runs (each row records its ``schedule``).
 * ``dequant+bf16``: what engines run with FlashMLA's bf16-only sparse prefill: the whole cache dequantized into
   a preallocated bf16 workspace (``FP8_DS_MLA.dequantize``, torch), then the bf16 kernel as ``bf16``; timed
   together, with the dequantization alone in ``dequant_ms``.
@@ -78,7 +80,7 @@ def run_case(kind: str, H: int, T: int, K: int, N: int, *, dtype: torch.dtype, d
 
     from .. import SparseMLAWorkspace, sparse_mla_ref
     from ..kv_format import FP8_DS_MLA
-    from ..mqa import backends, triton_tl
+    from ..mqa import backends, gluon_sm90, triton_tl
     from ..union import backends as union_backends
     from ..union.triton_tl import plan_groups
     from ..workloads import synthetic_batch
@@ -137,22 +139,30 @@ def run_case(kind: str, H: int, T: int, K: int, N: int, *, dtype: torch.dtype, d
         return run
 
     fp8b = FP8_DS_MLA.row_bytes
-    variants = [("bf16", "auto", kv, launch(kv), ref16, 2 * D_QK),
-                ("bf16 triton", "triton", kv, launch(kv), ref16, 2 * D_QK),
-                ("fp8", "auto", rows8, launch(rows8), ref8, fp8b),
-                ("fp8 triton", "triton", rows8, launch(rows8), ref8, fp8b),
-                ("dequant+bf16", "auto", workspace, dequant_then(launch(workspace)), ref8, 2 * D_QK)]
+    variants = [("bf16", "auto", kv, launch(kv), ref16, 2 * D_QK, None),
+                ("bf16 triton", "triton", kv, launch(kv), ref16, 2 * D_QK, None),
+                ("fp8", "auto", rows8, launch(rows8), ref8, fp8b, None),
+                ("fp8 triton", "triton", rows8, launch(rows8), ref8, fp8b, None),
+                ("dequant+bf16", "auto", workspace, dequant_then(launch(workspace)), ref8, 2 * D_QK, None)]
+    gluon_fp8 = backends.select_backend(q, rows8, out, H if kind == "per_token" else G * H)[0] == "gluon_sm90"
+    if gluon_fp8:  # the FP8 cache on the Gluon schedules other than the default one
+        variants += [(f"fp8 gluon:{sc}", "gluon_sm90", rows8, launch(rows8), ref8, fp8b, sc)
+                     for sc in gluon_sm90.FP8_SCHEDULES if sc != gluon_sm90.schedule_for(True)]
     if sweep:
-        variants += [(f"fp8 triton cfg={bn}/{w}/{s}", "triton", rows8, launch(rows8, (bn, w, s)), ref8, fp8b)
+        variants += [(f"fp8 triton cfg={bn}/{w}/{s}", "triton", rows8, launch(rows8, (bn, w, s)), ref8, fp8b, None)
                      for bn, w, s in SWEEP_CONFIGS]
     pseudo_heads = H if kind == "per_token" else G * H
     out_rows = []
     env_before = os.environ.get(backends.ENV_VAR)
+    schedule_before = gluon_sm90.SCHEDULE
     try:
-        for name, backend, kv_rows, fn, ref, row_bytes in variants:
+        for name, backend, kv_rows, fn, ref, row_bytes, schedule in variants:
             os.environ[backends.ENV_VAR] = backend
+            gluon_sm90.SCHEDULE = schedule or schedule_before
             rec = dict(case=case, variant=name, heads=H, tokens=T, topk=K, kv_rows=N,
                        backend="triton" if " cfg=" in name else backends.select_backend(q, kv_rows, out, pseudo_heads)[0])
+            if rec["backend"] == "gluon_sm90":
+                rec["schedule"] = gluon_sm90.schedule_for(kv_rows.dtype == torch.uint8)
             try:
                 out.fill_(float("nan"))
                 fn()
@@ -175,6 +185,7 @@ def run_case(kind: str, H: int, T: int, K: int, N: int, *, dtype: torch.dtype, d
             print({k: rec[k] for k in ("case", "variant", "ms", "tflops", "max_row_err", "max_row_err_vs_bf16_cache")},
                   flush=True)
     finally:
+        gluon_sm90.SCHEDULE = schedule_before
         if env_before is None:
             os.environ.pop(backends.ENV_VAR, None)
         else:

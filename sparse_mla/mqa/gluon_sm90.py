@@ -549,10 +549,117 @@ if GLUON_IMPORT_ERROR is None:
         async_copy.async_copy_global_to_shared(ring_l.index(1), base1 + ch[None, :], mask=ok1[:, None])
         async_copy.mbarrier_arrive(hb.index(1), increment_count=False)
 
+    # FP8 pair producer (KV_FP8 with the pair schedule). The fp8 bytes of a half tile (64 rows x 256 B) are staged
+    # by cp.async in the upper 16 KB of that half's own bf16 buffer (32 KB: NVMMA 128-byte swizzle lays a [64, 256]
+    # bf16 tile out as four 8 KB column blocks of 64 columns, so bytes 16 K .. 32 K are columns 128 .. 255), then
+    # converted in place: columns 0 .. 127 are written to bytes 0 .. 16 K (disjoint from the staging bytes), columns
+    # 128 .. 255 are loaded into registers, every producer thread passes a barrier, and only then written over the
+    # staging bytes. Each thread reads back exactly the bytes it copied, so its own cp.async.wait_group is the only
+    # wait before the reads. Nothing beyond the bf16 kernel's shared memory is needed (a separate staging buffer does
+    # not fit beside Q and two bf16 tiles).
+    _FP8_STAGE_L = gl.constexpr(gl.SwizzledSharedLayout(16, 1, 8, order=[1, 0]))  # rows of [4, 64, 256] uint8 views
+
+    # The pair producer's fp8 layout (its partition has 4 warps): 16 bytes per thread, lanes along rows first (8 rows
+    # x 4 column chunks), so the 8 lanes of a shared-memory phase touch 8 rows at one chunk: conflict-free against
+    # the XOR-swizzled staging rows and the NVMMA-swizzled bf16 rows.
+    _FP8_PAIR_BLK = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [0, 1]))
+
+    @gluon.jit
+    def _fp8_stage_half(row, ok, stage, col0: gl.constexpr, layout: gl.constexpr):
+        """cp.async of NoPE bytes [col0, col0 + 256) of the 64 rows into ``stage`` ([64, 256] uint8; invalid rows
+        zero-filled, never read)."""
+        cb = gl.arange(0, 256, layout=gl.SliceLayout(0, layout))
+        async_copy.async_copy_global_to_shared(stage, row[:, None] + (col0 + cb)[None, :], mask=ok[:, None])
+
+    @gluon.jit
+    def _fp8_stage_rope(row, ok, dst, layout: gl.constexpr):
+        """cp.async of the rows' 64 bf16 RoPE values into ``dst`` ([64, 64] in q's dtype)."""
+        cr = gl.arange(0, _DPE, layout=gl.SliceLayout(0, layout))
+        rope = (row + _FP8_ROPE).to(gl.pointer_type(gl.bfloat16), bitcast=True)
+        async_copy.async_copy_global_to_shared(dst, rope[:, None] + cr[None, :], mask=ok[:, None])
+
+    @gluon.jit
+    def _fp8_scale(row, ok, t: gl.constexpr):
+        """The rows' fp32 scale of NoPE tile t (invalid rows: 0, so their zero bytes dequantize to 0)."""
+        return gl.load((row + (_FP8_SCALES + 4 * t)).to(gl.pointer_type(gl.float32), bitcast=True), mask=ok, other=0.0)
+
+    @gluon.jit
+    def _fp8_dequant(x, sc, dtype: gl.constexpr):
+        """e4m3 bytes -> fp32 x the row's scale -> dtype (one rounding, as ``FP8DSMLAFormat.dequantize``)."""
+        return (x.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]).to(dtype)
+
+    @gluon.jit
+    def _fp8_convert_half(stage, dst, s_a, s_b, layout: gl.constexpr):
+        """The staged half (``stage``: [64, 256] uint8, the upper 16 KB of ``dst``) dequantized into ``dst`` ([64, 256]
+        in q's dtype): columns 0 .. 127 with scale s_a, columns 128 .. 255 with s_b (module comment above)."""
+        for c in gl.static_range(2):  # bf16 bytes 0 .. 16 K: disjoint from the staging bytes
+            x = stage.slice(64 * c, 64, dim=1).load(layout)
+            dst.slice(64 * c, 64, dim=1).store(_fp8_dequant(x, s_a, dst.dtype))
+        x2 = stage.slice(128, 64, dim=1).load(layout)
+        x3 = stage.slice(192, 64, dim=1).load(layout)
+        gl.thread_barrier()  # every producer thread has read its staged bytes before any is overwritten
+        dst.slice(128, 64, dim=1).store(_fp8_dequant(x2, s_b, dst.dtype))
+        dst.slice(192, 64, dim=1).store(_fp8_dequant(x3, s_b, dst.dtype))
+
+    @gluon.jit
+    def _fp8_ready(bar):
+        """Every producer thread's stores fenced for wgmma (and its copies landed) -> one arrive (count 1)."""
+        fence_async_shared()
+        gl.thread_barrier()
+        mbarrier.arrive(bar, count=1)
+
+    @gluon.jit
+    def _pair_gather_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, i, k, ring_l, ring_h, ring_r, hb):
+        """``_pair_gather`` from an fp8_ds_mla cache: the halves in the order the consumers free them (L0, R1, R0,
+        L1), each staged by cp.async as soon as it is free and converted once the next one is staged (the staging
+        latency of one half overlaps the wait for the next; the last one, L1, is converted right after R0)."""
+        blk: gl.constexpr = _FP8_PAIR_BLK
+        rows_l: gl.constexpr = gl.SliceLayout(1, blk)
+        ph = (k & 1) ^ 1  # a fresh barrier passes parity 1
+        st_l = ring_l._reinterpret(gl.uint8, [4, _BN, 256], _FP8_STAGE_L)  # index 2s + 1: the upper half of stage s
+        st_h = ring_h._reinterpret(gl.uint8, [4, _BN, 256], _FP8_STAGE_L)
+        row0, ok0 = _fp8_rows(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 2 * i, rows_l)
+        row1, ok1 = _fp8_rows(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 2 * i + 1, rows_l)
+        mbarrier.wait(hb.index(4), ph)  # L0 free
+        _fp8_stage_half(row0, ok0, st_l.index(1), 0, blk)
+        async_copy.commit_group()
+        a_l0 = _fp8_scale(row0, ok0, 0)
+        b_l0 = _fp8_scale(row0, ok0, 1)
+        mbarrier.wait(hb.index(7), ph)  # R1 free
+        _fp8_stage_half(row1, ok1, st_h.index(3), 256, blk)
+        _fp8_stage_rope(row1, ok1, ring_r.index(1), blk)
+        async_copy.commit_group()
+        a_r1 = _fp8_scale(row1, ok1, 2)
+        b_r1 = _fp8_scale(row1, ok1, 3)
+        async_copy.wait_group(1)  # L0 staged
+        _fp8_convert_half(st_l.index(1), ring_l.index(0), a_l0, b_l0, blk)
+        _fp8_ready(hb.index(0))
+        mbarrier.wait(hb.index(6), ph)  # R0 free (its RoPE buffer held P0)
+        _fp8_stage_half(row0, ok0, st_h.index(1), 256, blk)
+        _fp8_stage_rope(row0, ok0, ring_r.index(0), blk)
+        async_copy.commit_group()
+        a_r0 = _fp8_scale(row0, ok0, 2)
+        b_r0 = _fp8_scale(row0, ok0, 3)
+        async_copy.wait_group(1)  # R1 staged (and its RoPE landed)
+        _fp8_convert_half(st_h.index(3), ring_h.index(1), a_r1, b_r1, blk)
+        _fp8_ready(hb.index(3))
+        mbarrier.wait(hb.index(5), ph)  # L1 free
+        _fp8_stage_half(row1, ok1, st_l.index(3), 0, blk)
+        async_copy.commit_group()
+        a_l1 = _fp8_scale(row1, ok1, 0)
+        b_l1 = _fp8_scale(row1, ok1, 1)
+        async_copy.wait_group(1)  # R0 staged
+        _fp8_convert_half(st_h.index(1), ring_h.index(0), a_r0, b_r0, blk)
+        _fp8_ready(hb.index(2))
+        async_copy.wait_group(0)  # L1 staged
+        _fp8_convert_half(st_l.index(3), ring_l.index(1), a_l1, b_l1, blk)
+        _fp8_ready(hb.index(1))
+
     @gluon.jit
     def _pair_producer(q_ptr, kv_ptr, rows_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, stride_qt, stride_qh,
                        stride_kvn, row_stride, N, H, K, m_blocks, group_heads, has_nrows, has_route, num_work, q_v, q_r,
-                       ring_l, ring_h, ring_r, hb, q_bars, GROUPED: gl.constexpr, HAS_PE: gl.constexpr):
+                       ring_l, ring_h, ring_r, hb, q_bars, GROUPED: gl.constexpr, HAS_PE: gl.constexpr,
+                       KV_FP8: gl.constexpr):
         """Persistent producer: per work item, its first pair of tiles (they may land while the consumers finish
         the previous item), then Q (once both consumers freed it: q_bars[1]; landed: q_bars[0]), then the rest."""
         k = 0
@@ -562,14 +669,22 @@ if GLUON_IMPORT_ERROR is None:
             n_pairs = gl.cdiv(n_rows, 2 * _BN)
             it = (w - gl.program_id(0)) // gl.num_programs(0)  # this CTA's item count
             if n_pairs > 0:
-                _pair_gather(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 0, k, ring_l, ring_h, ring_r,
-                             hb, HAS_PE)
+                if KV_FP8:
+                    _pair_gather_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 0, k, ring_l, ring_h,
+                                     ring_r, hb)
+                else:
+                    _pair_gather(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 0, k, ring_l, ring_h,
+                                 ring_r, hb, HAS_PE)
             mbarrier.wait(q_bars.index(1), (it & 1) ^ 1)  # Q buffer free (a fresh barrier passes parity 1)
             _issue_q(q_ptr, q_v.index(0), q_r.index(0), stride_qt, stride_qh, mb, tok0, H, n_heads, GROUPED, HAS_PE)
             async_copy.mbarrier_arrive(q_bars.index(0), increment_count=False)
             for i in range(1, n_pairs):
-                _pair_gather(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, i, k + i, ring_l, ring_h,
-                             ring_r, hb, HAS_PE)
+                if KV_FP8:
+                    _pair_gather_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, i, k + i, ring_l,
+                                     ring_h, ring_r, hb)
+                else:
+                    _pair_gather(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, i, k + i, ring_l, ring_h,
+                                 ring_r, hb, HAS_PE)
             k += n_pairs
 
     @gluon.jit
@@ -810,7 +925,7 @@ if GLUON_IMPORT_ERROR is None:
         N, H, K, qk_scale, m_blocks, group_heads, has_nrows, has_route, has_lse,
         sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl, num_work,
         GROUPED: gl.constexpr, HAS_PE: gl.constexpr, CONSUMER_REGS: gl.constexpr, O_VIA_SMEM: gl.constexpr,
-        num_warps: gl.constexpr,
+        KV_FP8: gl.constexpr, num_warps: gl.constexpr,
     ):
         """The pair schedule (module comment above); same arguments and grid as ``sparse_mqa_sm90_kernel``."""
         smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -836,7 +951,10 @@ if GLUON_IMPORT_ERROR is None:
         bars = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())  # power-of-two shape
         q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # Q landed, Q free
         for i in gl.static_range(4):
-            mbarrier.init(hb.index(i), count=num_warps * 32)  # ready: every producer thread arrives
+            if KV_FP8:
+                mbarrier.init(hb.index(i), count=1)  # ready: one arrive after the producer's barrier
+            else:
+                mbarrier.init(hb.index(i), count=num_warps * 32)  # ready: every producer thread arrives
             mbarrier.init(hb.index(4 + i), count=1)  # empty: the half's last reader arrives once
         for i in gl.static_range(7):  # m0, m1, P0 ready, P1 ready, P1 free, l0, l1: one arrive each
             mbarrier.init(bars.index(i), count=1)
@@ -849,7 +967,7 @@ if GLUON_IMPORT_ERROR is None:
         gl.warp_specialize([
             (_pair_producer, (q_ptr, kv_ptr, rows_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, stride_qt,
                               stride_qh, stride_kvn, row_stride, N, H, K, m_blocks, group_heads, has_nrows, has_route,
-                              num_work, q_v, q_r, ring_l, ring_h, ring_r, hb, q_bars, GROUPED, HAS_PE)),
+                              num_work, q_v, q_r, ring_l, ring_h, ring_r, hb, q_bars, GROUPED, HAS_PE, KV_FP8)),
             (_pair_wg0, (q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, hb, bars, q_bars, rows_ptr,
                          bits_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, row_stride, N, H, K, m_blocks,
                          group_heads, has_nrows, has_route, num_work, out_ptr, lse_ptr, stride_ot, stride_oh,
@@ -887,9 +1005,11 @@ O_VIA_SMEM = os.environ.get("SPARSE_MLA_GLUON_O_VIA_SMEM", "1") == "1"
 # epilogue) instead of one CTA per item.
 PERSISTENT = os.environ.get("SPARSE_MLA_GLUON_PERSISTENT", "1") == "1"
 PAIR_CONSUMER_REGS = 232  # each consumer warpgroup; the producer (the default partition) gets what is left
+# fp8_ds_mla cache on pair: the producer dequantizes (staged bytes -> registers -> bf16), so the consumers leave it more.
+PAIR_FP8_CONSUMER_REGS = int(os.environ.get("SPARSE_MLA_GLUON_PAIR_FP8_CONSUMER_REGS", "216"))
 # fp8_ds_mla cache (KV_FP8): the producer dequantizes in registers, so it gets more of them (the consumers the rest).
 FP8_PRODUCER_REGS = int(os.environ.get("SPARSE_MLA_GLUON_FP8_PRODUCER_REGS", "72"))
-FP8_SCHEDULES = ("split", )  # schedules with an fp8_ds_mla variant (D_qk 576, bf16 q: its RoPE part is bf16)
+FP8_SCHEDULES = ("split", "pair")  # schedules with an fp8_ds_mla variant (D_qk 576, bf16 q: its RoPE part is bf16)
 
 
 def schedule_for(kv_fp8: bool) -> str:
@@ -915,9 +1035,8 @@ def variant_constexprs(grouped: bool, has_pe: bool, schedule: str | None = None,
         return dict(GROUPED=grouped, HAS_PE=has_pe, STAGES=STAGES, PRODUCER_WARPS=PRODUCER_WARPS,
                     PRODUCER_REGS=FP8_PRODUCER_REGS if kv_fp8 else PRODUCER_REGS, ABLATE=ABLATE,
                     O_VIA_SMEM=O_VIA_SMEM and not grouped, KV_FP8=kv_fp8, num_warps=CONSUMER_WARPS)
-    if kv_fp8:
-        raise ValueError("the pair schedule has no fp8_ds_mla variant (FP8_SCHEDULES)")
-    return dict(GROUPED=grouped, HAS_PE=has_pe, CONSUMER_REGS=PAIR_CONSUMER_REGS, O_VIA_SMEM=O_VIA_SMEM, num_warps=4)
+    return dict(GROUPED=grouped, HAS_PE=has_pe, CONSUMER_REGS=PAIR_FP8_CONSUMER_REGS if kv_fp8 else PAIR_CONSUMER_REGS,
+                O_VIA_SMEM=O_VIA_SMEM, KV_FP8=kv_fp8, num_warps=4)
 
 
 _PLACEHOLDERS: dict = {}
