@@ -1,6 +1,6 @@
 """Attention-kernel A/B of the FP8 ``fp8_ds_mla`` cache against the bf16 one (same run, same q, same indices).
 
-    python -m sparse_mla.bench.kv_fp8 --json out/kv_fp8.json [--sweep-configs]
+    python -m sparse_mla.bench.kv_fp8 --json out/kv_fp8.json [--sweep-configs] [--variants bf16,fp8]
 
 Per case (per token at each ``--heads``; grouped at each ``--grouped-heads``, G = 128 // H, union built once
 and not timed, as ``scripts/bench_gluon.py`` times it), the rows:
@@ -73,8 +73,9 @@ def _row_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def run_case(kind: str, H: int, T: int, K: int, N: int, *, dtype: torch.dtype, device: torch.device, trials: int,
-             scale_format: str, sweep: bool, seed: int = 0) -> list[dict]:
-    """The rows of one case (module docstring); ``kind`` "per_token" or "grouped"."""
+             scale_format: str, sweep: bool, seed: int = 0, only: set[str] | None = None) -> list[dict]:
+    """The rows of one case (module docstring); ``kind`` "per_token" or "grouped"; ``only``: the variant names to
+    run (None: all)."""
     from triton.compiler.errors import CompilationError
     from triton.errors import TritonError
 
@@ -151,6 +152,8 @@ def run_case(kind: str, H: int, T: int, K: int, N: int, *, dtype: torch.dtype, d
     if sweep:
         variants += [(f"fp8 triton cfg={bn}/{w}/{s}", "triton", rows8, launch(rows8, (bn, w, s)), ref8, fp8b, None)
                      for bn, w, s in SWEEP_CONFIGS]
+    if only is not None:
+        variants = [v for v in variants if v[0] in only]
     pseudo_heads = H if kind == "per_token" else G * H
     out_rows = []
     env_before = os.environ.get(backends.ENV_VAR)
@@ -212,10 +215,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--scale-format", default="ue8m0", choices=("ue8m0", "fp32"), help="FP8 scale rule")
     ap.add_argument("--trials", type=int, default=3 if on_gpu else 1, help="timing trials per row")
     ap.add_argument("--sweep-configs", action="store_true", help="also time the FP8 cache at SWEEP_CONFIGS")
+    ap.add_argument("--variants", default="", help="only these rows (names as in the table, comma-separated: e.g. "
+                    "'bf16,fp8'); default every row")
     ap.add_argument("--json", default="out/kv_fp8.json", help="where to write the results")
     a = ap.parse_args(argv)
     if a.rows < a.tokens or min(a.tokens, a.topk) < 1:
         ap.error(f"need tokens >= 1, topk >= 1 and rows >= tokens, got {a.tokens}, {a.topk}, {a.rows}")
+    only = {v.strip() for v in a.variants.split(",") if v.strip()} or None
     import triton
 
     from .report import git_revision
@@ -225,10 +231,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for H in _ints(a.heads):
         rows += run_case("per_token", H, a.tokens, a.topk, a.rows, dtype=dtype, device=device, trials=a.trials,
-                         scale_format=a.scale_format, sweep=a.sweep_configs)
+                         scale_format=a.scale_format, sweep=a.sweep_configs, only=only)
     for H in _ints(a.grouped_heads):
         rows += run_case("grouped", H, a.tokens, a.topk, a.rows, dtype=dtype, device=device, trials=a.trials,
-                         scale_format=a.scale_format, sweep=a.sweep_configs)
+                         scale_format=a.scale_format, sweep=a.sweep_configs, only=only)
     meta = dict(command=" ".join(["python -m sparse_mla.bench.kv_fp8", *(argv if argv is not None else sys.argv[1:])]),
                 git_revision=git_revision(), gpu=torch.cuda.get_device_name() if on_gpu else "none (CPU, Triton interpreter)",
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__,

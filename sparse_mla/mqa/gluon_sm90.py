@@ -565,9 +565,11 @@ if GLUON_IMPORT_ERROR is None:
     _FP8_PAIR_BLK = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [0, 1]))
 
     @gluon.jit
-    def _fp8_stage_half(row, ok, stage, col0: gl.constexpr, layout: gl.constexpr):
+    def _fp8_stage_half(row, ok, stage, col0: gl.constexpr, layout: gl.constexpr, FP8_ABLATE: gl.constexpr = 0):
         """cp.async of NoPE bytes [col0, col0 + 256) of the 64 rows into ``stage`` ([64, 256] uint8; invalid rows
-        zero-filled, never read)."""
+        zero-filled, never read). FP8_ABLATE & 2 (timing knob, wrong results): no copy."""
+        if FP8_ABLATE & 2:
+            return
         cb = gl.arange(0, 256, layout=gl.SliceLayout(0, layout))
         async_copy.async_copy_global_to_shared(stage, row[:, None] + (col0 + cb)[None, :], mask=ok[:, None])
 
@@ -589,9 +591,12 @@ if GLUON_IMPORT_ERROR is None:
         return (x.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]).to(dtype)
 
     @gluon.jit
-    def _fp8_convert_half(stage, dst, s_a, s_b, layout: gl.constexpr):
+    def _fp8_convert_half(stage, dst, s_a, s_b, layout: gl.constexpr, FP8_ABLATE: gl.constexpr = 0):
         """The staged half (``stage``: [64, 256] uint8, the upper 16 KB of ``dst``) dequantized into ``dst`` ([64, 256]
-        in q's dtype): columns 0 .. 127 with scale s_a, columns 128 .. 255 with s_b (module comment above)."""
+        in q's dtype): columns 0 .. 127 with scale s_a, columns 128 .. 255 with s_b (module comment above).
+        FP8_ABLATE & 1 (timing knob, wrong results): no conversion."""
+        if FP8_ABLATE & 1:
+            return
         for c in gl.static_range(2):  # bf16 bytes 0 .. 16 K: disjoint from the staging bytes
             x = stage.slice(64 * c, 64, dim=1).load(layout)
             dst.slice(64 * c, 64, dim=1).store(_fp8_dequant(x, s_a, dst.dtype))
@@ -609,7 +614,29 @@ if GLUON_IMPORT_ERROR is None:
         mbarrier.arrive(bar, count=1)
 
     @gluon.jit
-    def _pair_gather_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, i, k, ring_l, ring_h, ring_r, hb):
+    def _l2_prefetch_rows(row, ok, KV_FP8: gl.constexpr):
+        """Each valid row's bytes (656 fp8_ds_mla / 1152 bf16) prefetched into L2 (cp.async.bulk.prefetch: no
+        registers, no completion to wait for), so the copy issued when its buffer frees hits L2."""
+        if KV_FP8:
+            gl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 656; mov.u32 $0, 0; }",
+                "=r,l,r", [row, ok.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+        else:
+            gl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 1152; mov.u32 $0, 0; }",
+                "=r,l,r", [row, ok.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _pair_prefetch(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, i, KV_FP8: gl.constexpr):
+        """L2 prefetch of the rows of pair i (tiles 2i, 2i + 1; positions past the list: none)."""
+        pl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        for t in gl.static_range(2):
+            row, ok = _fp8_rows(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 2 * i + t, pl)
+            _l2_prefetch_rows(row, ok, KV_FP8)
+
+    @gluon.jit
+    def _pair_gather_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, i, k, ring_l, ring_h, ring_r, hb,
+                         FP8_ABLATE: gl.constexpr):
         """``_pair_gather`` from an fp8_ds_mla cache: the halves in the order the consumers free them (L0, R1, R0,
         L1), each staged by cp.async as soon as it is free and converted once the next one is staged (the staging
         latency of one half overlaps the wait for the next; the last one, L1, is converted right after R0)."""
@@ -620,46 +647,48 @@ if GLUON_IMPORT_ERROR is None:
         st_h = ring_h._reinterpret(gl.uint8, [4, _BN, 256], _FP8_STAGE_L)
         row0, ok0 = _fp8_rows(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 2 * i, rows_l)
         row1, ok1 = _fp8_rows(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 2 * i + 1, rows_l)
+        if FP8_ABLATE & 4:  # L2 prefetch of the next pair (experiment)
+            _pair_prefetch(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, i + 1, True)
         mbarrier.wait(hb.index(4), ph)  # L0 free
-        _fp8_stage_half(row0, ok0, st_l.index(1), 0, blk)
+        _fp8_stage_half(row0, ok0, st_l.index(1), 0, blk, FP8_ABLATE)
         async_copy.commit_group()
         a_l0 = _fp8_scale(row0, ok0, 0)
         b_l0 = _fp8_scale(row0, ok0, 1)
         mbarrier.wait(hb.index(7), ph)  # R1 free
-        _fp8_stage_half(row1, ok1, st_h.index(3), 256, blk)
+        _fp8_stage_half(row1, ok1, st_h.index(3), 256, blk, FP8_ABLATE)
         _fp8_stage_rope(row1, ok1, ring_r.index(1), blk)
         async_copy.commit_group()
         a_r1 = _fp8_scale(row1, ok1, 2)
         b_r1 = _fp8_scale(row1, ok1, 3)
         async_copy.wait_group(1)  # L0 staged
-        _fp8_convert_half(st_l.index(1), ring_l.index(0), a_l0, b_l0, blk)
+        _fp8_convert_half(st_l.index(1), ring_l.index(0), a_l0, b_l0, blk, FP8_ABLATE)
         _fp8_ready(hb.index(0))
         mbarrier.wait(hb.index(6), ph)  # R0 free (its RoPE buffer held P0)
-        _fp8_stage_half(row0, ok0, st_h.index(1), 256, blk)
+        _fp8_stage_half(row0, ok0, st_h.index(1), 256, blk, FP8_ABLATE)
         _fp8_stage_rope(row0, ok0, ring_r.index(0), blk)
         async_copy.commit_group()
         a_r0 = _fp8_scale(row0, ok0, 2)
         b_r0 = _fp8_scale(row0, ok0, 3)
         async_copy.wait_group(1)  # R1 staged (and its RoPE landed)
-        _fp8_convert_half(st_h.index(3), ring_h.index(1), a_r1, b_r1, blk)
+        _fp8_convert_half(st_h.index(3), ring_h.index(1), a_r1, b_r1, blk, FP8_ABLATE)
         _fp8_ready(hb.index(3))
         mbarrier.wait(hb.index(5), ph)  # L1 free
-        _fp8_stage_half(row1, ok1, st_l.index(3), 0, blk)
+        _fp8_stage_half(row1, ok1, st_l.index(3), 0, blk, FP8_ABLATE)
         async_copy.commit_group()
         a_l1 = _fp8_scale(row1, ok1, 0)
         b_l1 = _fp8_scale(row1, ok1, 1)
         async_copy.wait_group(1)  # R0 staged
-        _fp8_convert_half(st_h.index(1), ring_h.index(0), a_r0, b_r0, blk)
+        _fp8_convert_half(st_h.index(1), ring_h.index(0), a_r0, b_r0, blk, FP8_ABLATE)
         _fp8_ready(hb.index(2))
         async_copy.wait_group(0)  # L1 staged
-        _fp8_convert_half(st_l.index(3), ring_l.index(1), a_l1, b_l1, blk)
+        _fp8_convert_half(st_l.index(3), ring_l.index(1), a_l1, b_l1, blk, FP8_ABLATE)
         _fp8_ready(hb.index(1))
 
     @gluon.jit
     def _pair_producer(q_ptr, kv_ptr, rows_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, stride_qt, stride_qh,
                        stride_kvn, row_stride, N, H, K, m_blocks, group_heads, has_nrows, has_route, num_work, q_v, q_r,
                        ring_l, ring_h, ring_r, hb, q_bars, GROUPED: gl.constexpr, HAS_PE: gl.constexpr,
-                       KV_FP8: gl.constexpr):
+                       KV_FP8: gl.constexpr, FP8_ABLATE: gl.constexpr):
         """Persistent producer: per work item, its first pair of tiles (they may land while the consumers finish
         the previous item), then Q (once both consumers freed it: q_bars[1]; landed: q_bars[0]), then the rest."""
         k = 0
@@ -671,7 +700,7 @@ if GLUON_IMPORT_ERROR is None:
             if n_pairs > 0:
                 if KV_FP8:
                     _pair_gather_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 0, k, ring_l, ring_h,
-                                     ring_r, hb)
+                                     ring_r, hb, FP8_ABLATE)
                 else:
                     _pair_gather(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 0, k, ring_l, ring_h,
                                  ring_r, hb, HAS_PE)
@@ -681,7 +710,7 @@ if GLUON_IMPORT_ERROR is None:
             for i in range(1, n_pairs):
                 if KV_FP8:
                     _pair_gather_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, i, k + i, ring_l,
-                                     ring_h, ring_r, hb)
+                                     ring_h, ring_r, hb, FP8_ABLATE)
                 else:
                     _pair_gather(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, i, k + i, ring_l, ring_h,
                                  ring_r, hb, HAS_PE)
@@ -925,7 +954,7 @@ if GLUON_IMPORT_ERROR is None:
         N, H, K, qk_scale, m_blocks, group_heads, has_nrows, has_route, has_lse,
         sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl, num_work,
         GROUPED: gl.constexpr, HAS_PE: gl.constexpr, CONSUMER_REGS: gl.constexpr, O_VIA_SMEM: gl.constexpr,
-        KV_FP8: gl.constexpr, num_warps: gl.constexpr,
+        KV_FP8: gl.constexpr, FP8_ABLATE: gl.constexpr, num_warps: gl.constexpr,
     ):
         """The pair schedule (module comment above); same arguments and grid as ``sparse_mqa_sm90_kernel``."""
         smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -967,7 +996,8 @@ if GLUON_IMPORT_ERROR is None:
         gl.warp_specialize([
             (_pair_producer, (q_ptr, kv_ptr, rows_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, stride_qt,
                               stride_qh, stride_kvn, row_stride, N, H, K, m_blocks, group_heads, has_nrows, has_route,
-                              num_work, q_v, q_r, ring_l, ring_h, ring_r, hb, q_bars, GROUPED, HAS_PE, KV_FP8)),
+                              num_work, q_v, q_r, ring_l, ring_h, ring_r, hb, q_bars, GROUPED, HAS_PE, KV_FP8,
+                              FP8_ABLATE)),
             (_pair_wg0, (q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, hb, bars, q_bars, rows_ptr,
                          bits_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, row_stride, N, H, K, m_blocks,
                          group_heads, has_nrows, has_route, num_work, out_ptr, lse_ptr, stride_ot, stride_oh,
@@ -1009,6 +1039,9 @@ PAIR_CONSUMER_REGS = 232  # each consumer warpgroup; the producer (the default p
 PAIR_FP8_CONSUMER_REGS = int(os.environ.get("SPARSE_MLA_GLUON_PAIR_FP8_CONSUMER_REGS", "216"))
 # fp8_ds_mla cache (KV_FP8): the producer dequantizes in registers, so it gets more of them (the consumers the rest).
 FP8_PRODUCER_REGS = int(os.environ.get("SPARSE_MLA_GLUON_FP8_PRODUCER_REGS", "72"))
+# Timing knob of the pair schedule's FP8 producer (bitmask: 1 no conversion, 2 no staging copy: wrong results; 4 L2
+# prefetch of the next pair's rows).
+FP8_ABLATE = int(os.environ.get("SPARSE_MLA_GLUON_FP8_ABLATE", "0"))
 FP8_SCHEDULES = ("split", "pair")  # schedules with an fp8_ds_mla variant (D_qk 576, bf16 q: its RoPE part is bf16)
 
 
@@ -1036,7 +1069,7 @@ def variant_constexprs(grouped: bool, has_pe: bool, schedule: str | None = None,
                     PRODUCER_REGS=FP8_PRODUCER_REGS if kv_fp8 else PRODUCER_REGS, ABLATE=ABLATE,
                     O_VIA_SMEM=O_VIA_SMEM and not grouped, KV_FP8=kv_fp8, num_warps=CONSUMER_WARPS)
     return dict(GROUPED=grouped, HAS_PE=has_pe, CONSUMER_REGS=PAIR_FP8_CONSUMER_REGS if kv_fp8 else PAIR_CONSUMER_REGS,
-                O_VIA_SMEM=O_VIA_SMEM, KV_FP8=kv_fp8, num_warps=4)
+                O_VIA_SMEM=O_VIA_SMEM, KV_FP8=kv_fp8, FP8_ABLATE=FP8_ABLATE if kv_fp8 else 0, num_warps=4)
 
 
 _PLACEHOLDERS: dict = {}
