@@ -571,7 +571,8 @@ if GLUON_IMPORT_ERROR is None:
         if FP8_ABLATE & 2:
             return
         cb = gl.arange(0, 256, layout=gl.SliceLayout(0, layout))
-        async_copy.async_copy_global_to_shared(stage, row[:, None] + (col0 + cb)[None, :], mask=ok[:, None])
+        src = row.to(gl.pointer_type(stage.dtype), bitcast=True)
+        async_copy.async_copy_global_to_shared(stage, src[:, None] + (col0 + cb)[None, :], mask=ok[:, None])
 
     @gluon.jit
     def _fp8_stage_rope(row, ok, dst, layout: gl.constexpr):
@@ -606,6 +607,68 @@ if GLUON_IMPORT_ERROR is None:
         dst.slice(128, 64, dim=1).store(_fp8_dequant(x2, s_b, dst.dtype))
         dst.slice(192, 64, dim=1).store(_fp8_dequant(x3, s_b, dst.dtype))
 
+    # Tensor-core dequantization (FP8_ABLATE & 8): the staged e4m3 bytes (an NVMMA fp8 view) times a 32 x 32 identity
+    # with fp8 wgmma (m64n32k32: every product e4m3 x 1 or x 0, so the fp32 result is the e4m3 value, exact), then
+    # x scale and rounded to bf16. The e4m3 -> wider conversion then costs no conversion-pipe instruction (that pipe,
+    # 16 results per clock per SM, bounds the cvt path at one instruction per value); only the final pack uses it.
+    _FP8_NV_L = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
+    _FP8_ID_L = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=8, rank=2))
+    _FP8_ACC_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 32]))
+
+    @gluon.jit
+    def _fp8_identity(ident):
+        """Write the 32 x 32 e4m3 identity (the producer's, once per CTA) and make it visible to wgmma."""
+        il: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        r = gl.arange(0, 32, layout=gl.SliceLayout(1, il))
+        c = gl.arange(0, 32, layout=gl.SliceLayout(0, il))
+        ident.store(gl.where(r[:, None] == c[None, :], 1.0, 0.0).to(gl.float8e4nv))
+        fence_async_shared()
+        gl.thread_barrier()
+
+    @gluon.jit
+    def _fp8_tc_chunk(stage, ident, c: gl.constexpr, acc):
+        """Chunk c (columns 32c .. 32c + 31) of the staged e4m3 rows times the identity, into ``acc`` (its old value
+        unused: a dead accumulator instead of zeros kept live)."""
+        return warpgroup_mma(stage.slice(32 * c, 32, dim=1), ident.permute((1, 0)), acc, use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _fp8_tc_store(dst, d, s_a, s_b, c: gl.constexpr):
+        if c < 4:
+            dst.slice(32 * c, 32, dim=1).store((d * s_a[:, None]).to(dst.dtype))
+        else:
+            dst.slice(32 * c, 32, dim=1).store((d * s_b[:, None]).to(dst.dtype))
+
+    @gluon.jit
+    def _fp8_convert_half_tc(stage, dst, ident, s_a, s_b):
+        """The staged half (``stage``: [64, 256] e4m3, NVMMA, the upper 16 KB of ``dst``) dequantized into ``dst`` by
+        the tensor core (above), 8 chunks of 32 columns with two in flight (accumulators a, b alternating). In place
+        it is safe in that order: the store of chunk c >= 4 lands on the staged bytes of chunks 2c - 8 and 2c - 7
+        (both layouts swizzle the 16-byte pieces of a 128-byte row alike), all complete by then, and never on those of
+        the chunks in flight (c + 1, c + 2)."""
+        a = _fp8_tc_chunk(stage, ident, 0, gl.zeros([_BN, 32], gl.float32, _FP8_ACC_L))
+        b = _fp8_tc_chunk(stage, ident, 1, gl.zeros([_BN, 32], gl.float32, _FP8_ACC_L))
+        for c in gl.static_range(0, 8, 2):
+            a = warpgroup_mma_wait(num_outstanding=1, deps=(a, ))
+            _fp8_tc_store(dst, a, s_a, s_b, c)
+            if c + 2 < 8:
+                a = _fp8_tc_chunk(stage, ident, c + 2, a)
+                b = warpgroup_mma_wait(num_outstanding=1, deps=(b, ))
+            else:
+                b = warpgroup_mma_wait(num_outstanding=0, deps=(b, ))
+            _fp8_tc_store(dst, b, s_a, s_b, c + 1)
+            if c + 3 < 8:
+                b = _fp8_tc_chunk(stage, ident, c + 3, b)
+
+    @gluon.jit
+    def _fp8_convert_any(stage_u8, stage_f8, dst, ident, s_a, s_b, sa_tc, sb_tc, layout: gl.constexpr,
+                         FP8_ABLATE: gl.constexpr):
+        if FP8_ABLATE & 8:
+            fence_async_shared()  # the staged bytes (cp.async, generic proxy) -> wgmma reads (async proxy) ...
+            gl.thread_barrier()  # ... of every producer thread
+            _fp8_convert_half_tc(stage_f8, dst, ident, sa_tc, sb_tc)
+        else:
+            _fp8_convert_half(stage_u8, dst, s_a, s_b, layout, FP8_ABLATE)
+
     @gluon.jit
     def _fp8_ready(bar):
         """Every producer thread's stores fenced for wgmma (and its copies landed) -> one arrive (count 1)."""
@@ -636,61 +699,80 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _pair_gather_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, i, k, ring_l, ring_h, ring_r, hb,
-                         FP8_ABLATE: gl.constexpr):
+                         ident, FP8_ABLATE: gl.constexpr):
         """``_pair_gather`` from an fp8_ds_mla cache: the halves in the order the consumers free them (L0, R1, R0,
         L1), each staged by cp.async as soon as it is free and converted once the next one is staged (the staging
         latency of one half overlaps the wait for the next; the last one, L1, is converted right after R0)."""
         blk: gl.constexpr = _FP8_PAIR_BLK
         rows_l: gl.constexpr = gl.SliceLayout(1, blk)
+        rows_a: gl.constexpr = gl.SliceLayout(1, _FP8_ACC_L)
         ph = (k & 1) ^ 1  # a fresh barrier passes parity 1
-        st_l = ring_l._reinterpret(gl.uint8, [4, _BN, 256], _FP8_STAGE_L)  # index 2s + 1: the upper half of stage s
-        st_h = ring_h._reinterpret(gl.uint8, [4, _BN, 256], _FP8_STAGE_L)
+        z = ((k + N) < 0).to(gl.int32)  # an opaque 0: the stage views' wgmma descriptors stay in the loop
+        if FP8_ABLATE & 8:
+            st_l = ring_l._reinterpret(gl.float8e4nv, [4, _BN, 256], _FP8_NV_L)  # index 2s + 1: upper half of stage s
+            st_h = ring_h._reinterpret(gl.float8e4nv, [4, _BN, 256], _FP8_NV_L)
+        else:
+            st_l = ring_l._reinterpret(gl.uint8, [4, _BN, 256], _FP8_STAGE_L)
+            st_h = ring_h._reinterpret(gl.uint8, [4, _BN, 256], _FP8_STAGE_L)
         row0, ok0 = _fp8_rows(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 2 * i, rows_l)
         row1, ok1 = _fp8_rows(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 2 * i + 1, rows_l)
+        if FP8_ABLATE & 8:  # the scales in the wgmma accumulator's row layout
+            srow0, sok0 = _fp8_rows(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 2 * i, rows_a)
+            srow1, sok1 = _fp8_rows(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 2 * i + 1, rows_a)
+        else:
+            srow0 = row0
+            sok0 = ok0
+            srow1 = row1
+            sok1 = ok1
         if FP8_ABLATE & 4:  # L2 prefetch of the next pair (experiment)
             _pair_prefetch(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, i + 1, True)
         mbarrier.wait(hb.index(4), ph)  # L0 free
-        _fp8_stage_half(row0, ok0, st_l.index(1), 0, blk, FP8_ABLATE)
+        _fp8_stage_half(row0, ok0, st_l.index(1 + z), 0, blk, FP8_ABLATE)
         async_copy.commit_group()
-        a_l0 = _fp8_scale(row0, ok0, 0)
-        b_l0 = _fp8_scale(row0, ok0, 1)
+        a_l0 = _fp8_scale(srow0, sok0, 0)
+        b_l0 = _fp8_scale(srow0, sok0, 1)
         mbarrier.wait(hb.index(7), ph)  # R1 free
-        _fp8_stage_half(row1, ok1, st_h.index(3), 256, blk, FP8_ABLATE)
+        _fp8_stage_half(row1, ok1, st_h.index(3 - z), 256, blk, FP8_ABLATE)
         _fp8_stage_rope(row1, ok1, ring_r.index(1), blk)
         async_copy.commit_group()
-        a_r1 = _fp8_scale(row1, ok1, 2)
-        b_r1 = _fp8_scale(row1, ok1, 3)
+        a_r1 = _fp8_scale(srow1, sok1, 2)
+        b_r1 = _fp8_scale(srow1, sok1, 3)
         async_copy.wait_group(1)  # L0 staged
-        _fp8_convert_half(st_l.index(1), ring_l.index(0), a_l0, b_l0, blk, FP8_ABLATE)
+        _fp8_convert_any(st_l.index(1 + z), st_l.index(1 + z), ring_l.index(z), ident, a_l0, b_l0, a_l0, b_l0, blk, FP8_ABLATE)
         _fp8_ready(hb.index(0))
         mbarrier.wait(hb.index(6), ph)  # R0 free (its RoPE buffer held P0)
-        _fp8_stage_half(row0, ok0, st_h.index(1), 256, blk, FP8_ABLATE)
+        _fp8_stage_half(row0, ok0, st_h.index(1 + z), 256, blk, FP8_ABLATE)
         _fp8_stage_rope(row0, ok0, ring_r.index(0), blk)
         async_copy.commit_group()
-        a_r0 = _fp8_scale(row0, ok0, 2)
-        b_r0 = _fp8_scale(row0, ok0, 3)
+        a_r0 = _fp8_scale(srow0, sok0, 2)
+        b_r0 = _fp8_scale(srow0, sok0, 3)
         async_copy.wait_group(1)  # R1 staged (and its RoPE landed)
-        _fp8_convert_half(st_h.index(3), ring_h.index(1), a_r1, b_r1, blk, FP8_ABLATE)
+        _fp8_convert_any(st_h.index(3 - z), st_h.index(3 - z), ring_h.index(1 - z), ident, a_r1, b_r1, a_r1, b_r1, blk,
+                         FP8_ABLATE)
         _fp8_ready(hb.index(3))
         mbarrier.wait(hb.index(5), ph)  # L1 free
-        _fp8_stage_half(row1, ok1, st_l.index(3), 0, blk, FP8_ABLATE)
+        _fp8_stage_half(row1, ok1, st_l.index(3 - z), 0, blk, FP8_ABLATE)
         async_copy.commit_group()
-        a_l1 = _fp8_scale(row1, ok1, 0)
-        b_l1 = _fp8_scale(row1, ok1, 1)
+        a_l1 = _fp8_scale(srow1, sok1, 0)
+        b_l1 = _fp8_scale(srow1, sok1, 1)
         async_copy.wait_group(1)  # R0 staged
-        _fp8_convert_half(st_h.index(1), ring_h.index(0), a_r0, b_r0, blk, FP8_ABLATE)
+        _fp8_convert_any(st_h.index(1 + z), st_h.index(1 + z), ring_h.index(z), ident, a_r0, b_r0, a_r0, b_r0, blk, FP8_ABLATE)
         _fp8_ready(hb.index(2))
         async_copy.wait_group(0)  # L1 staged
-        _fp8_convert_half(st_l.index(3), ring_l.index(1), a_l1, b_l1, blk, FP8_ABLATE)
+        _fp8_convert_any(st_l.index(3 - z), st_l.index(3 - z), ring_l.index(1 - z), ident, a_l1, b_l1, a_l1, b_l1, blk,
+                         FP8_ABLATE)
         _fp8_ready(hb.index(1))
 
     @gluon.jit
     def _pair_producer(q_ptr, kv_ptr, rows_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, stride_qt, stride_qh,
                        stride_kvn, row_stride, N, H, K, m_blocks, group_heads, has_nrows, has_route, num_work, q_v, q_r,
-                       ring_l, ring_h, ring_r, hb, q_bars, GROUPED: gl.constexpr, HAS_PE: gl.constexpr,
+                       ring_l, ring_h, ring_r, hb, q_bars, ident, GROUPED: gl.constexpr, HAS_PE: gl.constexpr,
                        KV_FP8: gl.constexpr, FP8_ABLATE: gl.constexpr):
         """Persistent producer: per work item, its first pair of tiles (they may land while the consumers finish
         the previous item), then Q (once both consumers freed it: q_bars[1]; landed: q_bars[0]), then the rest."""
+        if KV_FP8:
+            if FP8_ABLATE & 8:
+                _fp8_identity(ident)
         k = 0
         for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
             gid, mb, tok0, n_rows, n_heads = _resolve_item(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
@@ -700,7 +782,7 @@ if GLUON_IMPORT_ERROR is None:
             if n_pairs > 0:
                 if KV_FP8:
                     _pair_gather_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 0, k, ring_l, ring_h,
-                                     ring_r, hb, FP8_ABLATE)
+                                     ring_r, hb, ident, FP8_ABLATE)
                 else:
                     _pair_gather(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 0, k, ring_l, ring_h,
                                  ring_r, hb, HAS_PE)
@@ -710,7 +792,7 @@ if GLUON_IMPORT_ERROR is None:
             for i in range(1, n_pairs):
                 if KV_FP8:
                     _pair_gather_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, i, k + i, ring_l,
-                                     ring_h, ring_r, hb, FP8_ABLATE)
+                                     ring_h, ring_r, hb, ident, FP8_ABLATE)
                 else:
                     _pair_gather(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, i, k + i, ring_l, ring_h,
                                  ring_r, hb, HAS_PE)
@@ -976,6 +1058,10 @@ if GLUON_IMPORT_ERROR is None:
         s_m1 = gl.allocate_shared_memory(gl.float32, [_BH], vec_l)
         s_l0 = gl.allocate_shared_memory(gl.float32, [_BH], vec_l)
         s_l1 = gl.allocate_shared_memory(gl.float32, [_BH], vec_l)
+        if KV_FP8 and (FP8_ABLATE & 8):  # the tensor-core dequantization's identity
+            ident = gl.allocate_shared_memory(gl.float8e4nv, [32, 32], _FP8_ID_L)
+        else:  # placeholder, never read
+            ident = s_m0
         hb = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
         bars = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())  # power-of-two shape
         q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # Q landed, Q free
@@ -996,8 +1082,8 @@ if GLUON_IMPORT_ERROR is None:
         gl.warp_specialize([
             (_pair_producer, (q_ptr, kv_ptr, rows_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, stride_qt,
                               stride_qh, stride_kvn, row_stride, N, H, K, m_blocks, group_heads, has_nrows, has_route,
-                              num_work, q_v, q_r, ring_l, ring_h, ring_r, hb, q_bars, GROUPED, HAS_PE, KV_FP8,
-                              FP8_ABLATE)),
+                              num_work, q_v, q_r, ring_l, ring_h, ring_r, hb, q_bars, ident, GROUPED, HAS_PE,
+                              KV_FP8, FP8_ABLATE)),
             (_pair_wg0, (q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, hb, bars, q_bars, rows_ptr,
                          bits_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, row_stride, N, H, K, m_blocks,
                          group_heads, has_nrows, has_route, num_work, out_ptr, lse_ptr, stride_ot, stride_oh,
