@@ -632,11 +632,34 @@ if GLUON_IMPORT_ERROR is None:
         return warpgroup_mma(stage.slice(32 * c, 32, dim=1), ident.permute((1, 0)), acc, use_acc=False, is_async=True)
 
     @gluon.jit
-    def _fp8_tc_store(dst, d, s_a, s_b, c: gl.constexpr):
+    def _bf16_truncate(v):
+        """fp32 -> bf16 by keeping the high 16 bits (one byte permute per two values, off the 16-per-clock conversion
+        pipe); equal to the round-to-nearest conversion exactly when v is a bf16 value (``_fp8_exact_scales``)."""
+        return gl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x7632;", "=r,r,r", [v], dtype=gl.bfloat16,
+                                         is_pure=True, pack=2)
+
+    @gluon.jit
+    def _fp8_exact_scales(s_a, s_b):
+        """Whether every e4m3 value times these scales is a normal bf16 value (so truncation rounds nothing): each
+        scale 0, or a power of two in [2**-100, 2**119] (an ue8m0 cache's scales are)."""
+        ok = gl.full(s_a.shape, 1, gl.int32, s_a.type.layout)
+        for sc in gl.static_range(2):
+            bits = (s_a if sc == 0 else s_b).to(gl.int32, bitcast=True) & 0x7FFFFFFF
+            e = bits >> 23
+            pow2 = ((bits & 0x7FFFFF) == 0) & (e >= 27) & (e <= 246)
+            ok = ok & (pow2 | (bits == 0)).to(gl.int32)
+        return gl.min(ok, axis=0)
+
+    @gluon.jit
+    def _fp8_tc_store(dst, d, s_a, s_b, c: gl.constexpr, exact):
         if c < 4:
-            dst.slice(32 * c, 32, dim=1).store((d * s_a[:, None]).to(dst.dtype))
+            v = d * s_a[:, None]
         else:
-            dst.slice(32 * c, 32, dim=1).store((d * s_b[:, None]).to(dst.dtype))
+            v = d * s_b[:, None]
+        if exact:
+            dst.slice(32 * c, 32, dim=1).store(_bf16_truncate(v))
+        else:
+            dst.slice(32 * c, 32, dim=1).store(v.to(dst.dtype))
 
     @gluon.jit
     def _fp8_convert_half_tc(stage, dst, ident, s_a, s_b):
@@ -645,17 +668,18 @@ if GLUON_IMPORT_ERROR is None:
         it is safe in that order: the store of chunk c >= 4 lands on the staged bytes of chunks 2c - 8 and 2c - 7
         (both layouts swizzle the 16-byte pieces of a 128-byte row alike), all complete by then, and never on those of
         the chunks in flight (c + 1, c + 2)."""
+        exact = _fp8_exact_scales(s_a, s_b)
         a = _fp8_tc_chunk(stage, ident, 0, gl.zeros([_BN, 32], gl.float32, _FP8_ACC_L))
         b = _fp8_tc_chunk(stage, ident, 1, gl.zeros([_BN, 32], gl.float32, _FP8_ACC_L))
         for c in gl.static_range(0, 8, 2):
             a = warpgroup_mma_wait(num_outstanding=1, deps=(a, ))
-            _fp8_tc_store(dst, a, s_a, s_b, c)
+            _fp8_tc_store(dst, a, s_a, s_b, c, exact)
             if c + 2 < 8:
                 a = _fp8_tc_chunk(stage, ident, c + 2, a)
                 b = warpgroup_mma_wait(num_outstanding=1, deps=(b, ))
             else:
                 b = warpgroup_mma_wait(num_outstanding=0, deps=(b, ))
-            _fp8_tc_store(dst, b, s_a, s_b, c + 1)
+            _fp8_tc_store(dst, b, s_a, s_b, c + 1, exact)
             if c + 3 < 8:
                 b = _fp8_tc_chunk(stage, ident, c + 3, b)
 
