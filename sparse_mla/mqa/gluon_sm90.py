@@ -670,7 +670,7 @@ if GLUON_IMPORT_ERROR is None:
         return gl.min(ok, axis=0)
 
     @gluon.jit
-    def _fp8_tc_store(dst, d, s_a, s_b, c: gl.constexpr, exact):
+    def _fp8_tc_store(dst, d, s_a, s_b, c: gl.constexpr, exact: gl.constexpr):
         if c < 4:
             v = d * s_a[:, None]
         else:
@@ -681,13 +681,12 @@ if GLUON_IMPORT_ERROR is None:
             dst.slice(32 * c, 32, dim=1).store(v.to(dst.dtype))
 
     @gluon.jit
-    def _fp8_convert_half_tc(stage, dst, ident, s_a, s_b):
+    def _fp8_convert_half_tc(stage, dst, ident, s_a, s_b, exact: gl.constexpr):
         """The staged half (``stage``: [64, 256] e4m3, NVMMA, the upper 16 KB of ``dst``) dequantized into ``dst`` by
         the tensor core (above), 8 chunks of 32 columns with two in flight (accumulators a, b alternating). In place
         it is safe in that order: the store of chunk c >= 4 lands on the staged bytes of chunks 2c - 8 and 2c - 7
         (both layouts swizzle the 16-byte pieces of a 128-byte row alike), all complete by then, and never on those of
         the chunks in flight (c + 1, c + 2)."""
-        exact = _fp8_exact_scales(s_a, s_b)
         a = _fp8_tc_chunk(stage, ident, 0, gl.zeros([_BN, 32], gl.float32, _FP8_ACC_L))
         b = _fp8_tc_chunk(stage, ident, 1, gl.zeros([_BN, 32], gl.float32, _FP8_ACC_L))
         for c in gl.static_range(0, 8, 2):
@@ -708,7 +707,7 @@ if GLUON_IMPORT_ERROR is None:
         if FP8_ABLATE & 8:
             fence_async_shared()  # the staged bytes (cp.async, generic proxy) -> wgmma reads (async proxy) ...
             gl.thread_barrier()  # ... of every producer thread
-            _fp8_convert_half_tc(stage_f8, dst, ident, sa_tc, sb_tc)
+            _fp8_convert_half_tc(stage_f8, dst, ident, sa_tc, sb_tc, (FP8_ABLATE & 32) != 0)
         else:
             _fp8_convert_half(stage_u8, dst, s_a, s_b, layout, FP8_ABLATE)
 
@@ -780,26 +779,30 @@ if GLUON_IMPORT_ERROR is None:
         async_copy.commit_group()
         a_r1 = _fp8_scale(srow1, sok1, 2)
         b_r1 = _fp8_scale(srow1, sok1, 3)
+        # the early halves are converted as soon as they land (before R0 frees: R1 is the first one the next pair
+        # waits for), the late ones (R0, L1: freed by the other warpgroup's P.V at the end of a pair) once staged
         async_copy.wait_group(1)  # L0 staged
-        _fp8_convert_any(st_l.index(1 + z), st_l.index(1 + z), ring_l.index(z), ident, a_l0, b_l0, a_l0, b_l0, blk, FP8_ABLATE)
+        _fp8_convert_any(st_l.index(1 + z), st_l.index(1 + z), ring_l.index(z), ident, a_l0, b_l0, a_l0, b_l0, blk,
+                         FP8_ABLATE)
         _fp8_ready(hb.index(0))
+        async_copy.wait_group(0)  # R1 staged (and its RoPE landed)
+        _fp8_convert_any(st_h.index(3 - z), st_h.index(3 - z), ring_h.index(1 - z), ident, a_r1, b_r1, a_r1, b_r1, blk,
+                         FP8_ABLATE)
+        _fp8_ready(hb.index(3))
         mbarrier.wait(hb.index(6), ph)  # R0 free (its RoPE buffer held P0)
         _fp8_stage_half(row0, ok0, st_h.index(1 + z), 256, blk, FP8_ABLATE)
         _fp8_stage_rope(row0, ok0, ring_r.index(0), blk)
         async_copy.commit_group()
         a_r0 = _fp8_scale(srow0, sok0, 2)
         b_r0 = _fp8_scale(srow0, sok0, 3)
-        async_copy.wait_group(1)  # R1 staged (and its RoPE landed)
-        _fp8_convert_any(st_h.index(3 - z), st_h.index(3 - z), ring_h.index(1 - z), ident, a_r1, b_r1, a_r1, b_r1, blk,
-                         FP8_ABLATE)
-        _fp8_ready(hb.index(3))
         mbarrier.wait(hb.index(5), ph)  # L1 free
         _fp8_stage_half(row1, ok1, st_l.index(3 - z), 0, blk, FP8_ABLATE)
         async_copy.commit_group()
         a_l1 = _fp8_scale(srow1, sok1, 0)
         b_l1 = _fp8_scale(srow1, sok1, 1)
         async_copy.wait_group(1)  # R0 staged
-        _fp8_convert_any(st_h.index(1 + z), st_h.index(1 + z), ring_h.index(z), ident, a_r0, b_r0, a_r0, b_r0, blk, FP8_ABLATE)
+        _fp8_convert_any(st_h.index(1 + z), st_h.index(1 + z), ring_h.index(z), ident, a_r0, b_r0, a_r0, b_r0, blk,
+                         FP8_ABLATE)
         _fp8_ready(hb.index(2))
         async_copy.wait_group(0)  # L1 staged
         _fp8_convert_any(st_l.index(3 - z), st_l.index(3 - z), ring_l.index(1 - z), ident, a_l1, b_l1, a_l1, b_l1, blk,
