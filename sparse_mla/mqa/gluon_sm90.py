@@ -712,6 +712,20 @@ if GLUON_IMPORT_ERROR is None:
             _fp8_convert_half(stage_u8, dst, s_a, s_b, layout, FP8_ABLATE)
 
     @gluon.jit
+    def _fp8_regs(row, ok, col0: gl.constexpr, layout: gl.constexpr):
+        """NoPE bytes [col0, col0 + 64) of the 64 rows into registers (16 B per thread; invalid rows 0)."""
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
+        return gl.load(row[:, None] + (col0 + cols)[None, :], mask=ok[:, None], other=0)
+
+    @gluon.jit
+    def _fp8_store_regs(dst, x0, x1, x2, x3, s_a, s_b):
+        """A half's four 64-column chunks of e4m3 bytes (registers) dequantized into ``dst`` ([64, 256])."""
+        dst.slice(0, 64, dim=1).store(_fp8_dequant(x0, s_a, dst.dtype))
+        dst.slice(64, 64, dim=1).store(_fp8_dequant(x1, s_a, dst.dtype))
+        dst.slice(128, 64, dim=1).store(_fp8_dequant(x2, s_b, dst.dtype))
+        dst.slice(192, 64, dim=1).store(_fp8_dequant(x3, s_b, dst.dtype))
+
+    @gluon.jit
     def _fp8_ready(bar):
         """Every producer thread's stores fenced for wgmma (and its copies landed) -> one arrive (count 1)."""
         fence_async_shared()
@@ -768,6 +782,46 @@ if GLUON_IMPORT_ERROR is None:
             sok1 = ok1
         if FP8_ABLATE & 4:  # L2 prefetch of the next pair (experiment)
             _pair_prefetch(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, i + 1, True)
+        if FP8_ABLATE & 64:
+            # the last half freed (L1, by warpgroup 0's P1.V1 at the end of a pair; warpgroup 1 needs it first) goes
+            # by the register path: its bytes are loaded now, a pair ahead of the free, and only converted and stored
+            # once free (no staging traffic, no load latency after the free); the others are staged
+            xl0 = _fp8_regs(row1, ok1, 0, blk)
+            xl1 = _fp8_regs(row1, ok1, 64, blk)
+            xl2 = _fp8_regs(row1, ok1, 128, blk)
+            xl3 = _fp8_regs(row1, ok1, 192, blk)
+            a_l1 = _fp8_scale(row1, ok1, 0)
+            b_l1 = _fp8_scale(row1, ok1, 1)
+            mbarrier.wait(hb.index(4), ph)  # L0 free
+            _fp8_stage_half(row0, ok0, st_l.index(1 + z), 0, blk, FP8_ABLATE)
+            async_copy.commit_group()
+            a_l0 = _fp8_scale(row0, ok0, 0)
+            b_l0 = _fp8_scale(row0, ok0, 1)
+            mbarrier.wait(hb.index(7), ph)  # R1 free
+            _fp8_stage_half(row1, ok1, st_h.index(3 - z), 256, blk, FP8_ABLATE)
+            _fp8_stage_rope(row1, ok1, ring_r.index(1), blk)
+            async_copy.commit_group()
+            a_r1 = _fp8_scale(row1, ok1, 2)
+            b_r1 = _fp8_scale(row1, ok1, 3)
+            async_copy.wait_group(1)  # L0 staged
+            _fp8_convert_half(st_l.index(1 + z), ring_l.index(z), a_l0, b_l0, blk, FP8_ABLATE)
+            _fp8_ready(hb.index(0))
+            async_copy.wait_group(0)  # R1 staged (and its RoPE landed)
+            _fp8_convert_half(st_h.index(3 - z), ring_h.index(1 - z), a_r1, b_r1, blk, FP8_ABLATE)
+            _fp8_ready(hb.index(3))
+            mbarrier.wait(hb.index(6), ph)  # R0 free (its RoPE buffer held P0)
+            _fp8_stage_half(row0, ok0, st_h.index(1 + z), 256, blk, FP8_ABLATE)
+            _fp8_stage_rope(row0, ok0, ring_r.index(0), blk)
+            async_copy.commit_group()
+            a_r0 = _fp8_scale(row0, ok0, 2)
+            b_r0 = _fp8_scale(row0, ok0, 3)
+            mbarrier.wait(hb.index(5), ph)  # L1 free
+            _fp8_store_regs(ring_l.index(1 - z), xl0, xl1, xl2, xl3, a_l1, b_l1)
+            _fp8_ready(hb.index(1))
+            async_copy.wait_group(0)  # R0 staged
+            _fp8_convert_half(st_h.index(1 + z), ring_h.index(z), a_r0, b_r0, blk, FP8_ABLATE)
+            _fp8_ready(hb.index(2))
+            return
         mbarrier.wait(hb.index(4), ph)  # L0 free
         _fp8_stage_half(row0, ok0, st_l.index(1 + z), 0, blk, FP8_ABLATE)
         async_copy.commit_group()
