@@ -2,7 +2,7 @@
 under Nsight Compute, e.g.
 
     ncu --kernel-name regex:sparse_mqa --launch-skip 2 --launch-count 1 --set full \
-        python scripts/ncu_gluon.py --heads 64 --tokens 2048 [--schedule pair|split]
+        python scripts/ncu_gluon.py --heads 64 --tokens 2048 [--schedule pair|split] [--kv-dtype fp8]
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ def main():
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--schedule", default=gluon_sm90.SCHEDULE, choices=gluon_sm90.SCHEDULES)
+    ap.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp8"),
+                    help="fp8: the cache as fp8_ds_mla rows (ue8m0 scales)")
     a = ap.parse_args()
     os.environ["SPARSE_MLA_MQA_BACKEND"] = "gluon_sm90"
     gluon_sm90.SCHEDULE = a.schedule
@@ -30,8 +32,13 @@ def main():
     q = torch.randn(T, H, 576, device=dev, dtype=torch.bfloat16)
     kv = torch.randn(N, 576, device=dev, dtype=torch.bfloat16)
     idx = torch.rand(T, N, device=dev).topk(K, dim=1).indices.to(torch.int32)
+    kw = {}
+    if a.kv_dtype == "fp8":
+        from sparse_mla.kv_format import FP8_DS_MLA
+
+        kv, kw = FP8_DS_MLA.quantize(kv), {"kv_format": "fp8_ds_mla"}
     for _ in range(3):
-        sparse_mla_fwd(q, kv, idx, 576 ** -0.5)
+        sparse_mla_fwd(q, kv, idx, 576 ** -0.5, **kw)
     torch.cuda.synchronize()
 
 
