@@ -290,15 +290,15 @@ def test_fp8_cache_selects_gluon_with_bf16_q_on_hopper(hopper):
 
 
 @pytest.mark.parametrize("schedule", ["pair", "split"])
-def test_fp8_cache_runs_the_selected_schedule(hopper, monkeypatch, schedule):
-    """SPARSE_MLA_GLUON_SCHEDULE picks the schedule of every cache (both have a dequantizing producer), and the FP8
-    variant is one the package compiles."""
+def test_fp8_cache_runs_the_split_schedule_whatever_the_bf16_schedule(hopper, monkeypatch, schedule):
+    """SPARSE_MLA_GLUON_SCHEDULE picks the schedule of bf16 / fp16 caches; an FP8 cache runs split (the schedule with
+    a dequantizing producer) either way, and its variant is one the package compiles."""
     from sparse_mla.mqa import backends, gluon_sm90
 
     monkeypatch.setattr(gluon_sm90, "SCHEDULE", schedule)
     q, rows = _fp8_selection_inputs()
     assert backends.select_backend(q, rows)[0] == "gluon_sm90"
-    assert gluon_sm90.schedule_for(True) == gluon_sm90.schedule_for(False) == schedule
+    assert gluon_sm90.schedule_for(True) == "split" and gluon_sm90.schedule_for(False) == schedule
     assert gluon_sm90.variant_constexprs(False, True, kv_fp8=True)["KV_FP8"]
     assert (False, True, "bf16", gluon_sm90.schedule_for(True), True) in gluon_sm90.all_variants()
 
@@ -338,10 +338,9 @@ def test_fp8_kernel_variants_refuse_what_they_cannot_run():
 
     with pytest.raises(ValueError, match="576"):
         gluon_sm90.variant_constexprs(False, False, "split", kv_fp8=True)
-    with pytest.raises(ValueError, match="576"):
-        gluon_sm90.variant_constexprs(True, False, "pair", kv_fp8=True)
-    for schedule in gluon_sm90.FP8_SCHEDULES:
-        assert gluon_sm90.variant_constexprs(True, True, schedule, kv_fp8=True)["KV_FP8"]
+    with pytest.raises(ValueError, match="pair schedule"):
+        gluon_sm90.variant_constexprs(False, True, "pair", kv_fp8=True)
+    assert gluon_sm90.variant_constexprs(True, True, "split", kv_fp8=True)["KV_FP8"]
 
 
 def test_fp8_cache_on_this_machine_and_forced_gluon(monkeypatch):
@@ -492,16 +491,6 @@ _GLUON_FP8 = _gluon_fp8_applies()
 requires_gluon_fp8 = pytest.mark.skipif(not _GLUON_FP8[0], reason=f"gluon_sm90 FP8 does not apply: {_GLUON_FP8[1]}")
 
 
-@pytest.fixture(params=["pair", "split"])
-def fp8_schedule(request, monkeypatch) -> str:
-    """Each Gluon FP8 test runs once per schedule (both have a dequantizing producer: ``gluon_sm90.FP8_SCHEDULES``)."""
-    from sparse_mla.mqa import gluon_sm90
-
-    assert request.param in gluon_sm90.FP8_SCHEDULES
-    monkeypatch.setattr(gluon_sm90, "SCHEDULE", request.param)
-    return request.param
-
-
 @pytest.fixture
 def gluon_launches(monkeypatch) -> list:
     """The kv dtype of every ``gluon_sm90.launch`` while the test runs (the launches still happen)."""
@@ -540,7 +529,6 @@ def _fp8_backend_pair(monkeypatch, q, cache, idx, sm_scale, topk_length=None, **
 ])
 @pytest.mark.gpu
 @requires_gluon_fp8
-@pytest.mark.usefixtures("fp8_schedule")
 def test_gluon_fp8_per_token_matches_reference_and_twin(monkeypatch, H, K, N, T, scale_format, topk_len):
     q, cache, idx = fp8_problem(T, H, K, N, seed=3 * H + K, scale_format=scale_format)
     tl_ = None
@@ -560,7 +548,6 @@ def test_gluon_fp8_per_token_matches_reference_and_twin(monkeypatch, H, K, N, T,
 ])
 @pytest.mark.gpu
 @requires_gluon_fp8
-@pytest.mark.usefixtures("fp8_schedule")
 def test_gluon_fp8_grouped_matches_reference_and_twin(monkeypatch, H, lens):
     K, N = 100, 420
     T = sum(lens)
@@ -577,7 +564,6 @@ def test_gluon_fp8_grouped_matches_reference_and_twin(monkeypatch, H, lens):
 @pytest.mark.gpu
 @requires_gluon_fp8
 @pytest.mark.parametrize("method", ["per_token", "grouped"])
-@pytest.mark.usefixtures("fp8_schedule")
 def test_gluon_fp8_persistent_ctas_walk_many_items(monkeypatch, gluon_launches, method):
     """Three persistent CTAs for dozens of work items (the ring's phases carried across items, the next item's first
     tiles and Q loaded during the previous item), with tile counts from 0 to 5 per list (topk_length)."""
@@ -598,7 +584,6 @@ def test_gluon_fp8_persistent_ctas_walk_many_items(monkeypatch, gluon_launches, 
 
 @pytest.mark.gpu
 @requires_gluon_fp8
-@pytest.mark.usefixtures("fp8_schedule")
 def test_gluon_fp8_warmup_then_steps_compile_nothing_and_graph_replays(gluon_launches):
     """warmup(kv_format="fp8_ds_mla") compiles the Gluon FP8 variants a step uses (per token and grouped, other token
     counts after it compile nothing), and a captured per-token call replays with new q equal to eager."""
@@ -848,3 +833,16 @@ def test_kernel_bench_module_smoke(tmp_path):
         assert r["check_ok"], r
         if r["variant"].startswith(("fp8", "dequant")):
             assert r["max_row_err_vs_bf16_cache"] > r["max_row_err"], r
+
+
+def test_kernel_bench_variants_filter(tmp_path, capsys):
+    """`--variants` keeps only the named rows; an unknown name is refused with the list of rows."""
+    from sparse_mla.bench import kv_fp8
+
+    out = tmp_path / "k.json"
+    rows = kv_fp8.main(["--heads", "16", "--grouped-heads", "", "--tokens", "5", "--topk", "8", "--rows", "32",
+                        "--variants", "bf16,fp8", "--json", str(out)])
+    assert [r["variant"] for r in rows] == ["bf16", "fp8"] and all(r["check_ok"] for r in rows)
+    with pytest.raises(SystemExit):
+        kv_fp8.main(["--variants", "bf16,fp9", "--json", str(out)])
+    assert "unknown ['fp9']" in capsys.readouterr().err

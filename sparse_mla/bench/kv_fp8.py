@@ -12,15 +12,14 @@ and not timed, as ``scripts/bench_gluon.py`` times it), the rows:
 * ``fp8``: the FP8 cache through the selection point (on an H200 with bf16 q: the Gluon kernel, whose producer
   dequantizes in registers; elsewhere the Triton kernel with ``KV_FP8``).
 * ``fp8 triton``: the FP8 cache forced onto the Triton kernel (``triton_tl.LAUNCH_CONFIGS_FP8``).
-* ``fp8 gluon:<schedule>``: where the Gluon kernel takes the FP8 cache, the same on each schedule of
-  ``gluon_sm90.FP8_SCHEDULES`` other than the one the selection runs (each row records its ``schedule``).
 * ``dequant+bf16``: what engines run with FlashMLA's bf16-only sparse prefill: the whole cache dequantized into
   a preallocated bf16 workspace (``FP8_DS_MLA.dequantize``, torch), then the bf16 kernel as ``bf16``; timed
   together, with the dequantization alone in ``dequant_ms``.
 * with ``--sweep-configs``: ``fp8 triton cfg=BLOCK_N/warps/stages`` for the Triton kernel's alternatives in
   ``SWEEP_CONFIGS``.
 
-Each row records the ``backend`` the selection point picked for it.
+Each row records the ``backend`` the selection point picked for it (and, on the Gluon kernel, its ``schedule``).
+``--variants`` keeps only the named rows (e.g. ``bf16,fp8`` for a quick A/B).
 
 Inputs (the protocol of ``scripts/bench_gluon.py``): T query tokens over N cache rows, query i taking topk distinct
 uniform rows of [0, N - T + i] per token; grouped: the "mid" synthetic top-k of N - T cached + T new tokens. Every
@@ -48,6 +47,7 @@ PEAK_TFLOPS, HBM_TBS = 790.0, 4.3
 ROW_TOL = {torch.bfloat16: 3 * 2**-8, torch.float16: 3 * 2**-11}  # tests/lib.py ROW_TOLERANCE
 # Triton launch configs (BLOCK_N, num_warps, num_stages) tried by --sweep-configs for the FP8 cache.
 SWEEP_CONFIGS = ((64, 4, 2), (64, 8, 2), (32, 4, 2), (32, 8, 2), (32, 8, 3), (64, 8, 1))
+VARIANTS = ("bf16", "bf16 triton", "fp8", "fp8 triton", "dequant+bf16")  # the rows of a case, sweep rows aside
 
 
 def causal_uniform(T: int, K: int, N: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -73,9 +73,9 @@ def _row_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def run_case(kind: str, H: int, T: int, K: int, N: int, *, dtype: torch.dtype, device: torch.device, trials: int,
-             scale_format: str, sweep: bool, seed: int = 0, only: set[str] | None = None) -> list[dict]:
-    """The rows of one case (module docstring); ``kind`` "per_token" or "grouped"; ``only``: the variant names to
-    run (None: all)."""
+             scale_format: str, sweep: bool, seed: int = 0, only: frozenset[str] | None = None) -> list[dict]:
+    """The rows of one case (module docstring); ``kind`` "per_token" or "grouped"; ``only``: the names of
+    ``VARIANTS`` to run (None: all)."""
     from triton.compiler.errors import CompilationError
     from triton.errors import TritonError
 
@@ -140,28 +140,23 @@ def run_case(kind: str, H: int, T: int, K: int, N: int, *, dtype: torch.dtype, d
         return run
 
     fp8b = FP8_DS_MLA.row_bytes
-    variants = [("bf16", "auto", kv, launch(kv), ref16, 2 * D_QK, None),
-                ("bf16 triton", "triton", kv, launch(kv), ref16, 2 * D_QK, None),
-                ("fp8", "auto", rows8, launch(rows8), ref8, fp8b, None),
-                ("fp8 triton", "triton", rows8, launch(rows8), ref8, fp8b, None),
-                ("dequant+bf16", "auto", workspace, dequant_then(launch(workspace)), ref8, 2 * D_QK, None)]
-    gluon_fp8 = backends.select_backend(q, rows8, out, H if kind == "per_token" else G * H)[0] == "gluon_sm90"
-    if gluon_fp8:  # the FP8 cache on the Gluon schedules other than the default one
-        variants += [(f"fp8 gluon:{sc}", "gluon_sm90", rows8, launch(rows8), ref8, fp8b, sc)
-                     for sc in gluon_sm90.FP8_SCHEDULES if sc != gluon_sm90.schedule_for(True)]
-    if sweep:
-        variants += [(f"fp8 triton cfg={bn}/{w}/{s}", "triton", rows8, launch(rows8, (bn, w, s)), ref8, fp8b, None)
-                     for bn, w, s in SWEEP_CONFIGS]
+    variants = [("bf16", "auto", kv, launch(kv), ref16, 2 * D_QK),
+                ("bf16 triton", "triton", kv, launch(kv), ref16, 2 * D_QK),
+                ("fp8", "auto", rows8, launch(rows8), ref8, fp8b),
+                ("fp8 triton", "triton", rows8, launch(rows8), ref8, fp8b),
+                ("dequant+bf16", "auto", workspace, dequant_then(launch(workspace)), ref8, 2 * D_QK)]
+    assert [v[0] for v in variants] == list(VARIANTS)
     if only is not None:
         variants = [v for v in variants if v[0] in only]
+    if sweep:
+        variants += [(f"fp8 triton cfg={bn}/{w}/{s}", "triton", rows8, launch(rows8, (bn, w, s)), ref8, fp8b)
+                     for bn, w, s in SWEEP_CONFIGS]
     pseudo_heads = H if kind == "per_token" else G * H
     out_rows = []
     env_before = os.environ.get(backends.ENV_VAR)
-    schedule_before = gluon_sm90.SCHEDULE
     try:
-        for name, backend, kv_rows, fn, ref, row_bytes, schedule in variants:
+        for name, backend, kv_rows, fn, ref, row_bytes in variants:
             os.environ[backends.ENV_VAR] = backend
-            gluon_sm90.SCHEDULE = schedule or schedule_before
             rec = dict(case=case, variant=name, heads=H, tokens=T, topk=K, kv_rows=N,
                        backend="triton" if " cfg=" in name else backends.select_backend(q, kv_rows, out, pseudo_heads)[0])
             if rec["backend"] == "gluon_sm90":
@@ -188,7 +183,6 @@ def run_case(kind: str, H: int, T: int, K: int, N: int, *, dtype: torch.dtype, d
             print({k: rec[k] for k in ("case", "variant", "ms", "tflops", "max_row_err", "max_row_err_vs_bf16_cache")},
                   flush=True)
     finally:
-        gluon_sm90.SCHEDULE = schedule_before
         if env_before is None:
             os.environ.pop(backends.ENV_VAR, None)
         else:
@@ -215,13 +209,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--scale-format", default="ue8m0", choices=("ue8m0", "fp32"), help="FP8 scale rule")
     ap.add_argument("--trials", type=int, default=3 if on_gpu else 1, help="timing trials per row")
     ap.add_argument("--sweep-configs", action="store_true", help="also time the FP8 cache at SWEEP_CONFIGS")
-    ap.add_argument("--variants", default="", help="only these rows (names as in the table, comma-separated: e.g. "
-                    "'bf16,fp8'); default every row")
+    ap.add_argument("--variants", default="", help=f"only these rows, comma-separated, of {', '.join(VARIANTS)} "
+                    "(default: all)")
     ap.add_argument("--json", default="out/kv_fp8.json", help="where to write the results")
     a = ap.parse_args(argv)
     if a.rows < a.tokens or min(a.tokens, a.topk) < 1:
         ap.error(f"need tokens >= 1, topk >= 1 and rows >= tokens, got {a.tokens}, {a.topk}, {a.rows}")
-    only = {v.strip() for v in a.variants.split(",") if v.strip()} or None
+    only = frozenset(v.strip() for v in a.variants.split(",") if v.strip()) or None
+    if only is not None and not only <= set(VARIANTS):
+        ap.error(f"--variants: unknown {sorted(only - set(VARIANTS))}; the rows are {', '.join(VARIANTS)}")
     import triton
 
     from .report import git_revision

@@ -549,330 +549,12 @@ if GLUON_IMPORT_ERROR is None:
         async_copy.async_copy_global_to_shared(ring_l.index(1), base1 + ch[None, :], mask=ok1[:, None])
         async_copy.mbarrier_arrive(hb.index(1), increment_count=False)
 
-    # FP8 pair producer (KV_FP8 with the pair schedule). The fp8 bytes of a half tile (64 rows x 256 B) are staged
-    # by cp.async in the upper 16 KB of that half's own bf16 buffer (32 KB: NVMMA 128-byte swizzle lays a [64, 256]
-    # bf16 tile out as four 8 KB column blocks of 64 columns, so bytes 16 K .. 32 K are columns 128 .. 255), then
-    # converted in place: columns 0 .. 127 are written to bytes 0 .. 16 K (disjoint from the staging bytes), columns
-    # 128 .. 255 are loaded into registers, every producer thread passes a barrier, and only then written over the
-    # staging bytes. Each thread reads back exactly the bytes it copied, so its own cp.async.wait_group is the only
-    # wait before the reads. Nothing beyond the bf16 kernel's shared memory is needed (a separate staging buffer does
-    # not fit beside Q and two bf16 tiles).
-    _FP8_STAGE_L = gl.constexpr(gl.SwizzledSharedLayout(16, 1, 8, order=[1, 0]))  # rows of [4, 64, 256] uint8 views
-
-    # The pair producer's fp8 layout (its partition has 4 warps): 16 bytes per thread, lanes along rows first (8 rows
-    # x 4 column chunks), so the 8 lanes of a shared-memory phase touch 8 rows at one chunk: conflict-free against
-    # the XOR-swizzled staging rows and the NVMMA-swizzled bf16 rows.
-    _FP8_PAIR_BLK = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [4, 1], [0, 1]))
-
-    @gluon.jit
-    def _fp8_stage_half(row, ok, stage, col0: gl.constexpr, layout: gl.constexpr, FP8_ABLATE: gl.constexpr = 0):
-        """cp.async of NoPE bytes [col0, col0 + 256) of the 64 rows into ``stage`` ([64, 256] uint8; invalid rows
-        zero-filled, never read). FP8_ABLATE & 2 (timing knob, wrong results): no copy."""
-        if FP8_ABLATE & 2:
-            return
-        cb = gl.arange(0, 256, layout=gl.SliceLayout(0, layout))
-        src = row.to(gl.pointer_type(stage.dtype), bitcast=True)
-        async_copy.async_copy_global_to_shared(stage, src[:, None] + (col0 + cb)[None, :], mask=ok[:, None])
-
-    @gluon.jit
-    def _fp8_stage_rope(row, ok, dst, layout: gl.constexpr):
-        """cp.async of the rows' 64 bf16 RoPE values into ``dst`` ([64, 64] in q's dtype)."""
-        cr = gl.arange(0, _DPE, layout=gl.SliceLayout(0, layout))
-        rope = (row + _FP8_ROPE).to(gl.pointer_type(gl.bfloat16), bitcast=True)
-        async_copy.async_copy_global_to_shared(dst, rope[:, None] + cr[None, :], mask=ok[:, None])
-
-    @gluon.jit
-    def _fp8_scale(row, ok, t: gl.constexpr):
-        """The rows' fp32 scale of NoPE tile t (invalid rows: 0, so their zero bytes dequantize to 0)."""
-        return gl.load((row + (_FP8_SCALES + 4 * t)).to(gl.pointer_type(gl.float32), bitcast=True), mask=ok, other=0.0)
-
-    @gluon.jit
-    def _fp8_dequant(x, sc, dtype: gl.constexpr):
-        """e4m3 bytes -> fp32 x the row's scale -> dtype (one rounding, as ``FP8DSMLAFormat.dequantize``)."""
-        return (x.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]).to(dtype)
-
-    @gluon.jit
-    def _fp8_dequant2(x, sc, dtype: gl.constexpr, FP8_ABLATE: gl.constexpr):
-        v = x.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sc[:, None]
-        if FP8_ABLATE & 32:  # truncation (exact for power-of-two scales only): probe of the conversion pipe's cost
-            return _bf16_truncate(v)
-        else:
-            return v.to(dtype)
-
-    @gluon.jit
-    def _fp8_convert_half(stage, dst, s_a, s_b, layout: gl.constexpr, FP8_ABLATE: gl.constexpr = 0):
-        """The staged half (``stage``: [64, 256] uint8, the upper 16 KB of ``dst``) dequantized into ``dst`` ([64, 256]
-        in q's dtype): columns 0 .. 127 with scale s_a, columns 128 .. 255 with s_b (module comment above).
-        FP8_ABLATE & 1 (timing knob, wrong results): no conversion."""
-        if FP8_ABLATE & 1:
-            return
-        if FP8_ABLATE & 16:  # loads of a phase batched ahead of its stores (one barrier per phase)
-            x0 = stage.slice(0, 64, dim=1).load(layout)
-            x1 = stage.slice(64, 64, dim=1).load(layout)
-            dst.slice(0, 64, dim=1).store(_fp8_dequant2(x0, s_a, dst.dtype, FP8_ABLATE))
-            dst.slice(64, 64, dim=1).store(_fp8_dequant2(x1, s_a, dst.dtype, FP8_ABLATE))
-            x2 = stage.slice(128, 64, dim=1).load(layout)
-            x3 = stage.slice(192, 64, dim=1).load(layout)
-            gl.thread_barrier()
-            dst.slice(128, 64, dim=1).store(_fp8_dequant2(x2, s_b, dst.dtype, FP8_ABLATE))
-            dst.slice(192, 64, dim=1).store(_fp8_dequant2(x3, s_b, dst.dtype, FP8_ABLATE))
-            return
-        for c in gl.static_range(2):  # bf16 bytes 0 .. 16 K: disjoint from the staging bytes
-            x = stage.slice(64 * c, 64, dim=1).load(layout)
-            dst.slice(64 * c, 64, dim=1).store(_fp8_dequant(x, s_a, dst.dtype))
-        x2 = stage.slice(128, 64, dim=1).load(layout)
-        x3 = stage.slice(192, 64, dim=1).load(layout)
-        gl.thread_barrier()  # every producer thread has read its staged bytes before any is overwritten
-        dst.slice(128, 64, dim=1).store(_fp8_dequant(x2, s_b, dst.dtype))
-        dst.slice(192, 64, dim=1).store(_fp8_dequant(x3, s_b, dst.dtype))
-
-    # Tensor-core dequantization (FP8_ABLATE & 8): the staged e4m3 bytes (an NVMMA fp8 view) times a 32 x 32 identity
-    # with fp8 wgmma (m64n32k32: every product e4m3 x 1 or x 0, so the fp32 result is the e4m3 value, exact), then
-    # x scale and rounded to bf16. The e4m3 -> wider conversion then costs no conversion-pipe instruction (that pipe,
-    # 16 results per clock per SM, bounds the cvt path at one instruction per value); only the final pack uses it.
-    _FP8_NV_L = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
-    _FP8_ID_L = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=8, rank=2))
-    _FP8_ACC_L = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 32, 32]))
-
-    @gluon.jit
-    def _fp8_identity(ident):
-        """Write the 32 x 32 e4m3 identity (the producer's, once per CTA) and make it visible to wgmma."""
-        il: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-        r = gl.arange(0, 32, layout=gl.SliceLayout(1, il))
-        c = gl.arange(0, 32, layout=gl.SliceLayout(0, il))
-        ident.store(gl.where(r[:, None] == c[None, :], 1.0, 0.0).to(gl.float8e4nv))
-        fence_async_shared()
-        gl.thread_barrier()
-
-    @gluon.jit
-    def _fp8_tc_chunk(stage, ident, c: gl.constexpr, acc):
-        """Chunk c (columns 32c .. 32c + 31) of the staged e4m3 rows times the identity, into ``acc`` (its old value
-        unused: a dead accumulator instead of zeros kept live)."""
-        return warpgroup_mma(stage.slice(32 * c, 32, dim=1), ident.permute((1, 0)), acc, use_acc=False, is_async=True)
-
-    @gluon.jit
-    def _bf16_truncate(v):
-        """fp32 -> bf16 by keeping the high 16 bits (one byte permute per two values, off the 16-per-clock conversion
-        pipe); equal to the round-to-nearest conversion exactly when v is a bf16 value (``_fp8_exact_scales``)."""
-        return gl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x7632;", "=r,r,r", [v], dtype=gl.bfloat16,
-                                         is_pure=True, pack=2)
-
-    @gluon.jit
-    def _fp8_exact_scales(s_a, s_b):
-        """Whether every e4m3 value times these scales is a normal bf16 value (so truncation rounds nothing): each
-        scale 0, or a power of two in [2**-100, 2**119] (an ue8m0 cache's scales are)."""
-        ok = gl.full(s_a.shape, 1, gl.int32, s_a.type.layout)
-        for sc in gl.static_range(2):
-            bits = (s_a if sc == 0 else s_b).to(gl.int32, bitcast=True) & 0x7FFFFFFF
-            e = bits >> 23
-            pow2 = ((bits & 0x7FFFFF) == 0) & (e >= 27) & (e <= 246)
-            ok = ok & (pow2 | (bits == 0)).to(gl.int32)
-        return gl.min(ok, axis=0)
-
-    @gluon.jit
-    def _fp8_tc_store(dst, d, s_a, s_b, c: gl.constexpr, exact: gl.constexpr):
-        if c < 4:
-            v = d * s_a[:, None]
-        else:
-            v = d * s_b[:, None]
-        if exact:
-            dst.slice(32 * c, 32, dim=1).store(_bf16_truncate(v))
-        else:
-            dst.slice(32 * c, 32, dim=1).store(v.to(dst.dtype))
-
-    @gluon.jit
-    def _fp8_convert_half_tc(stage, dst, ident, s_a, s_b, exact: gl.constexpr):
-        """The staged half (``stage``: [64, 256] e4m3, NVMMA, the upper 16 KB of ``dst``) dequantized into ``dst`` by
-        the tensor core (above), 8 chunks of 32 columns with two in flight (accumulators a, b alternating). In place
-        it is safe in that order: the store of chunk c >= 4 lands on the staged bytes of chunks 2c - 8 and 2c - 7
-        (both layouts swizzle the 16-byte pieces of a 128-byte row alike), all complete by then, and never on those of
-        the chunks in flight (c + 1, c + 2)."""
-        a = _fp8_tc_chunk(stage, ident, 0, gl.zeros([_BN, 32], gl.float32, _FP8_ACC_L))
-        b = _fp8_tc_chunk(stage, ident, 1, gl.zeros([_BN, 32], gl.float32, _FP8_ACC_L))
-        for c in gl.static_range(0, 8, 2):
-            a = warpgroup_mma_wait(num_outstanding=1, deps=(a, ))
-            _fp8_tc_store(dst, a, s_a, s_b, c, exact)
-            if c + 2 < 8:
-                a = _fp8_tc_chunk(stage, ident, c + 2, a)
-                b = warpgroup_mma_wait(num_outstanding=1, deps=(b, ))
-            else:
-                b = warpgroup_mma_wait(num_outstanding=0, deps=(b, ))
-            _fp8_tc_store(dst, b, s_a, s_b, c + 1, exact)
-            if c + 3 < 8:
-                b = _fp8_tc_chunk(stage, ident, c + 3, b)
-
-    @gluon.jit
-    def _fp8_convert_any(stage_u8, stage_f8, dst, ident, s_a, s_b, sa_tc, sb_tc, layout: gl.constexpr,
-                         FP8_ABLATE: gl.constexpr):
-        if FP8_ABLATE & 8:
-            fence_async_shared()  # the staged bytes (cp.async, generic proxy) -> wgmma reads (async proxy) ...
-            gl.thread_barrier()  # ... of every producer thread
-            _fp8_convert_half_tc(stage_f8, dst, ident, sa_tc, sb_tc, (FP8_ABLATE & 32) != 0)
-        else:
-            _fp8_convert_half(stage_u8, dst, s_a, s_b, layout, FP8_ABLATE)
-
-    @gluon.jit
-    def _fp8_regs(row, ok, col0: gl.constexpr, layout: gl.constexpr):
-        """NoPE bytes [col0, col0 + 64) of the 64 rows into registers (16 B per thread; invalid rows 0)."""
-        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, layout))
-        return gl.load(row[:, None] + (col0 + cols)[None, :], mask=ok[:, None], other=0)
-
-    @gluon.jit
-    def _fp8_store_regs(dst, x0, x1, x2, x3, s_a, s_b):
-        """A half's four 64-column chunks of e4m3 bytes (registers) dequantized into ``dst`` ([64, 256])."""
-        dst.slice(0, 64, dim=1).store(_fp8_dequant(x0, s_a, dst.dtype))
-        dst.slice(64, 64, dim=1).store(_fp8_dequant(x1, s_a, dst.dtype))
-        dst.slice(128, 64, dim=1).store(_fp8_dequant(x2, s_b, dst.dtype))
-        dst.slice(192, 64, dim=1).store(_fp8_dequant(x3, s_b, dst.dtype))
-
-    @gluon.jit
-    def _fp8_ready(bar):
-        """Every producer thread's stores fenced for wgmma (and its copies landed) -> one arrive (count 1)."""
-        fence_async_shared()
-        gl.thread_barrier()
-        mbarrier.arrive(bar, count=1)
-
-    @gluon.jit
-    def _l2_prefetch_rows(row, ok, KV_FP8: gl.constexpr):
-        """Each valid row's bytes (656 fp8_ds_mla / 1152 bf16) prefetched into L2 (cp.async.bulk.prefetch: no
-        registers, no completion to wait for), so the copy issued when its buffer frees hits L2."""
-        if KV_FP8:
-            gl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 656; mov.u32 $0, 0; }",
-                "=r,l,r", [row, ok.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
-        else:
-            gl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 1152; mov.u32 $0, 0; }",
-                "=r,l,r", [row, ok.to(gl.int32)], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _pair_prefetch(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, i, KV_FP8: gl.constexpr):
-        """L2 prefetch of the rows of pair i (tiles 2i, 2i + 1; positions past the list: none)."""
-        pl: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        for t in gl.static_range(2):
-            row, ok = _fp8_rows(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 2 * i + t, pl)
-            _l2_prefetch_rows(row, ok, KV_FP8)
-
-    @gluon.jit
-    def _pair_gather_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, i, k, ring_l, ring_h, ring_r, hb,
-                         ident, FP8_ABLATE: gl.constexpr):
-        """``_pair_gather`` from an fp8_ds_mla cache: the halves in the order the consumers free them (L0, R1, R0,
-        L1), each staged by cp.async as soon as it is free and converted once the next one is staged (the staging
-        latency of one half overlaps the wait for the next; the last one, L1, is converted right after R0)."""
-        blk: gl.constexpr = _FP8_PAIR_BLK
-        rows_l: gl.constexpr = gl.SliceLayout(1, blk)
-        rows_a: gl.constexpr = gl.SliceLayout(1, _FP8_ACC_L)
-        ph = (k & 1) ^ 1  # a fresh barrier passes parity 1
-        z = ((k + N) < 0).to(gl.int32)  # an opaque 0: the stage views' wgmma descriptors stay in the loop
-        if FP8_ABLATE & 8:
-            st_l = ring_l._reinterpret(gl.float8e4nv, [4, _BN, 256], _FP8_NV_L)  # index 2s + 1: upper half of stage s
-            st_h = ring_h._reinterpret(gl.float8e4nv, [4, _BN, 256], _FP8_NV_L)
-        else:
-            st_l = ring_l._reinterpret(gl.uint8, [4, _BN, 256], _FP8_STAGE_L)
-            st_h = ring_h._reinterpret(gl.uint8, [4, _BN, 256], _FP8_STAGE_L)
-        row0, ok0 = _fp8_rows(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 2 * i, rows_l)
-        row1, ok1 = _fp8_rows(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 2 * i + 1, rows_l)
-        if FP8_ABLATE & 8:  # the scales in the wgmma accumulator's row layout
-            srow0, sok0 = _fp8_rows(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 2 * i, rows_a)
-            srow1, sok1 = _fp8_rows(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 2 * i + 1, rows_a)
-        else:
-            srow0 = row0
-            sok0 = ok0
-            srow1 = row1
-            sok1 = ok1
-        if FP8_ABLATE & 4:  # L2 prefetch of the next pair (experiment)
-            _pair_prefetch(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, i + 1, True)
-        if FP8_ABLATE & 64:
-            # the last half freed (L1, by warpgroup 0's P1.V1 at the end of a pair; warpgroup 1 needs it first) goes
-            # by the register path: its bytes are loaded now, a pair ahead of the free, and only converted and stored
-            # once free (no staging traffic, no load latency after the free); the others are staged
-            xl0 = _fp8_regs(row1, ok1, 0, blk)
-            xl1 = _fp8_regs(row1, ok1, 64, blk)
-            xl2 = _fp8_regs(row1, ok1, 128, blk)
-            xl3 = _fp8_regs(row1, ok1, 192, blk)
-            a_l1 = _fp8_scale(row1, ok1, 0)
-            b_l1 = _fp8_scale(row1, ok1, 1)
-            mbarrier.wait(hb.index(4), ph)  # L0 free
-            _fp8_stage_half(row0, ok0, st_l.index(1 + z), 0, blk, FP8_ABLATE)
-            async_copy.commit_group()
-            a_l0 = _fp8_scale(row0, ok0, 0)
-            b_l0 = _fp8_scale(row0, ok0, 1)
-            mbarrier.wait(hb.index(7), ph)  # R1 free
-            _fp8_stage_half(row1, ok1, st_h.index(3 - z), 256, blk, FP8_ABLATE)
-            _fp8_stage_rope(row1, ok1, ring_r.index(1), blk)
-            async_copy.commit_group()
-            a_r1 = _fp8_scale(row1, ok1, 2)
-            b_r1 = _fp8_scale(row1, ok1, 3)
-            async_copy.wait_group(1)  # L0 staged
-            _fp8_convert_half(st_l.index(1 + z), ring_l.index(z), a_l0, b_l0, blk, FP8_ABLATE)
-            _fp8_ready(hb.index(0))
-            async_copy.wait_group(0)  # R1 staged (and its RoPE landed)
-            _fp8_convert_half(st_h.index(3 - z), ring_h.index(1 - z), a_r1, b_r1, blk, FP8_ABLATE)
-            _fp8_ready(hb.index(3))
-            mbarrier.wait(hb.index(6), ph)  # R0 free (its RoPE buffer held P0)
-            _fp8_stage_half(row0, ok0, st_h.index(1 + z), 256, blk, FP8_ABLATE)
-            _fp8_stage_rope(row0, ok0, ring_r.index(0), blk)
-            async_copy.commit_group()
-            a_r0 = _fp8_scale(row0, ok0, 2)
-            b_r0 = _fp8_scale(row0, ok0, 3)
-            mbarrier.wait(hb.index(5), ph)  # L1 free
-            _fp8_store_regs(ring_l.index(1 - z), xl0, xl1, xl2, xl3, a_l1, b_l1)
-            _fp8_ready(hb.index(1))
-            async_copy.wait_group(0)  # R0 staged
-            _fp8_convert_half(st_h.index(1 + z), ring_h.index(z), a_r0, b_r0, blk, FP8_ABLATE)
-            _fp8_ready(hb.index(2))
-            return
-        mbarrier.wait(hb.index(4), ph)  # L0 free
-        _fp8_stage_half(row0, ok0, st_l.index(1 + z), 0, blk, FP8_ABLATE)
-        async_copy.commit_group()
-        a_l0 = _fp8_scale(srow0, sok0, 0)
-        b_l0 = _fp8_scale(srow0, sok0, 1)
-        mbarrier.wait(hb.index(7), ph)  # R1 free
-        _fp8_stage_half(row1, ok1, st_h.index(3 - z), 256, blk, FP8_ABLATE)
-        _fp8_stage_rope(row1, ok1, ring_r.index(1), blk)
-        async_copy.commit_group()
-        a_r1 = _fp8_scale(srow1, sok1, 2)
-        b_r1 = _fp8_scale(srow1, sok1, 3)
-        # the early halves are converted as soon as they land (before R0 frees: R1 is the first one the next pair
-        # waits for), the late ones (R0, L1: freed by the other warpgroup's P.V at the end of a pair) once staged
-        async_copy.wait_group(1)  # L0 staged
-        _fp8_convert_any(st_l.index(1 + z), st_l.index(1 + z), ring_l.index(z), ident, a_l0, b_l0, a_l0, b_l0, blk,
-                         FP8_ABLATE)
-        _fp8_ready(hb.index(0))
-        async_copy.wait_group(0)  # R1 staged (and its RoPE landed)
-        _fp8_convert_any(st_h.index(3 - z), st_h.index(3 - z), ring_h.index(1 - z), ident, a_r1, b_r1, a_r1, b_r1, blk,
-                         FP8_ABLATE)
-        _fp8_ready(hb.index(3))
-        mbarrier.wait(hb.index(6), ph)  # R0 free (its RoPE buffer held P0)
-        _fp8_stage_half(row0, ok0, st_h.index(1 + z), 256, blk, FP8_ABLATE)
-        _fp8_stage_rope(row0, ok0, ring_r.index(0), blk)
-        async_copy.commit_group()
-        a_r0 = _fp8_scale(srow0, sok0, 2)
-        b_r0 = _fp8_scale(srow0, sok0, 3)
-        mbarrier.wait(hb.index(5), ph)  # L1 free
-        _fp8_stage_half(row1, ok1, st_l.index(3 - z), 0, blk, FP8_ABLATE)
-        async_copy.commit_group()
-        a_l1 = _fp8_scale(srow1, sok1, 0)
-        b_l1 = _fp8_scale(srow1, sok1, 1)
-        async_copy.wait_group(1)  # R0 staged
-        _fp8_convert_any(st_h.index(1 + z), st_h.index(1 + z), ring_h.index(z), ident, a_r0, b_r0, a_r0, b_r0, blk,
-                         FP8_ABLATE)
-        _fp8_ready(hb.index(2))
-        async_copy.wait_group(0)  # L1 staged
-        _fp8_convert_any(st_l.index(3 - z), st_l.index(3 - z), ring_l.index(1 - z), ident, a_l1, b_l1, a_l1, b_l1, blk,
-                         FP8_ABLATE)
-        _fp8_ready(hb.index(1))
-
     @gluon.jit
     def _pair_producer(q_ptr, kv_ptr, rows_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, stride_qt, stride_qh,
                        stride_kvn, row_stride, N, H, K, m_blocks, group_heads, has_nrows, has_route, num_work, q_v, q_r,
-                       ring_l, ring_h, ring_r, hb, q_bars, ident, GROUPED: gl.constexpr, HAS_PE: gl.constexpr,
-                       KV_FP8: gl.constexpr, FP8_ABLATE: gl.constexpr):
+                       ring_l, ring_h, ring_r, hb, q_bars, GROUPED: gl.constexpr, HAS_PE: gl.constexpr):
         """Persistent producer: per work item, its first pair of tiles (they may land while the consumers finish
         the previous item), then Q (once both consumers freed it: q_bars[1]; landed: q_bars[0]), then the rest."""
-        if KV_FP8:
-            if FP8_ABLATE & 8:
-                _fp8_identity(ident)
         k = 0
         for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
             gid, mb, tok0, n_rows, n_heads = _resolve_item(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
@@ -880,22 +562,14 @@ if GLUON_IMPORT_ERROR is None:
             n_pairs = gl.cdiv(n_rows, 2 * _BN)
             it = (w - gl.program_id(0)) // gl.num_programs(0)  # this CTA's item count
             if n_pairs > 0:
-                if KV_FP8:
-                    _pair_gather_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 0, k, ring_l, ring_h,
-                                     ring_r, hb, ident, FP8_ABLATE)
-                else:
-                    _pair_gather(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 0, k, ring_l, ring_h,
-                                 ring_r, hb, HAS_PE)
+                _pair_gather(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 0, k, ring_l, ring_h, ring_r,
+                             hb, HAS_PE)
             mbarrier.wait(q_bars.index(1), (it & 1) ^ 1)  # Q buffer free (a fresh barrier passes parity 1)
             _issue_q(q_ptr, q_v.index(0), q_r.index(0), stride_qt, stride_qh, mb, tok0, H, n_heads, GROUPED, HAS_PE)
             async_copy.mbarrier_arrive(q_bars.index(0), increment_count=False)
             for i in range(1, n_pairs):
-                if KV_FP8:
-                    _pair_gather_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, i, k + i, ring_l,
-                                     ring_h, ring_r, hb, ident, FP8_ABLATE)
-                else:
-                    _pair_gather(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, i, k + i, ring_l, ring_h,
-                                 ring_r, hb, HAS_PE)
+                _pair_gather(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, i, k + i, ring_l, ring_h,
+                             ring_r, hb, HAS_PE)
             k += n_pairs
 
     @gluon.jit
@@ -1136,7 +810,7 @@ if GLUON_IMPORT_ERROR is None:
         N, H, K, qk_scale, m_blocks, group_heads, has_nrows, has_route, has_lse,
         sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl, num_work,
         GROUPED: gl.constexpr, HAS_PE: gl.constexpr, CONSUMER_REGS: gl.constexpr, O_VIA_SMEM: gl.constexpr,
-        KV_FP8: gl.constexpr, FP8_ABLATE: gl.constexpr, num_warps: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         """The pair schedule (module comment above); same arguments and grid as ``sparse_mqa_sm90_kernel``."""
         smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -1158,18 +832,11 @@ if GLUON_IMPORT_ERROR is None:
         s_m1 = gl.allocate_shared_memory(gl.float32, [_BH], vec_l)
         s_l0 = gl.allocate_shared_memory(gl.float32, [_BH], vec_l)
         s_l1 = gl.allocate_shared_memory(gl.float32, [_BH], vec_l)
-        if KV_FP8 and (FP8_ABLATE & 8):  # the tensor-core dequantization's identity
-            ident = gl.allocate_shared_memory(gl.float8e4nv, [32, 32], _FP8_ID_L)
-        else:  # placeholder, never read
-            ident = s_m0
         hb = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
         bars = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())  # power-of-two shape
         q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # Q landed, Q free
         for i in gl.static_range(4):
-            if KV_FP8:
-                mbarrier.init(hb.index(i), count=1)  # ready: one arrive after the producer's barrier
-            else:
-                mbarrier.init(hb.index(i), count=num_warps * 32)  # ready: every producer thread arrives
+            mbarrier.init(hb.index(i), count=num_warps * 32)  # ready: every producer thread arrives
             mbarrier.init(hb.index(4 + i), count=1)  # empty: the half's last reader arrives once
         for i in gl.static_range(7):  # m0, m1, P0 ready, P1 ready, P1 free, l0, l1: one arrive each
             mbarrier.init(bars.index(i), count=1)
@@ -1182,8 +849,7 @@ if GLUON_IMPORT_ERROR is None:
         gl.warp_specialize([
             (_pair_producer, (q_ptr, kv_ptr, rows_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, stride_qt,
                               stride_qh, stride_kvn, row_stride, N, H, K, m_blocks, group_heads, has_nrows, has_route,
-                              num_work, q_v, q_r, ring_l, ring_h, ring_r, hb, q_bars, ident, GROUPED, HAS_PE,
-                              KV_FP8, FP8_ABLATE)),
+                              num_work, q_v, q_r, ring_l, ring_h, ring_r, hb, q_bars, GROUPED, HAS_PE)),
             (_pair_wg0, (q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, hb, bars, q_bars, rows_ptr,
                          bits_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, row_stride, N, H, K, m_blocks,
                          group_heads, has_nrows, has_route, num_work, out_ptr, lse_ptr, stride_ot, stride_oh,
@@ -1221,14 +887,9 @@ O_VIA_SMEM = os.environ.get("SPARSE_MLA_GLUON_O_VIA_SMEM", "1") == "1"
 # epilogue) instead of one CTA per item.
 PERSISTENT = os.environ.get("SPARSE_MLA_GLUON_PERSISTENT", "1") == "1"
 PAIR_CONSUMER_REGS = 232  # each consumer warpgroup; the producer (the default partition) gets what is left
-# fp8_ds_mla cache on pair: the producer dequantizes (staged bytes -> registers -> bf16), so the consumers leave it more.
-PAIR_FP8_CONSUMER_REGS = int(os.environ.get("SPARSE_MLA_GLUON_PAIR_FP8_CONSUMER_REGS", "216"))
 # fp8_ds_mla cache (KV_FP8): the producer dequantizes in registers, so it gets more of them (the consumers the rest).
 FP8_PRODUCER_REGS = int(os.environ.get("SPARSE_MLA_GLUON_FP8_PRODUCER_REGS", "72"))
-# Timing knob of the pair schedule's FP8 producer (bitmask: 1 no conversion, 2 no staging copy: wrong results; 4 L2
-# prefetch of the next pair's rows).
-FP8_ABLATE = int(os.environ.get("SPARSE_MLA_GLUON_FP8_ABLATE", "0"))
-FP8_SCHEDULES = ("split", "pair")  # schedules with an fp8_ds_mla variant (D_qk 576, bf16 q: its RoPE part is bf16)
+FP8_SCHEDULES = ("split", )  # schedules with an fp8_ds_mla variant (D_qk 576, bf16 q: its RoPE part is bf16)
 
 
 def schedule_for(kv_fp8: bool) -> str:
@@ -1254,8 +915,9 @@ def variant_constexprs(grouped: bool, has_pe: bool, schedule: str | None = None,
         return dict(GROUPED=grouped, HAS_PE=has_pe, STAGES=STAGES, PRODUCER_WARPS=PRODUCER_WARPS,
                     PRODUCER_REGS=FP8_PRODUCER_REGS if kv_fp8 else PRODUCER_REGS, ABLATE=ABLATE,
                     O_VIA_SMEM=O_VIA_SMEM and not grouped, KV_FP8=kv_fp8, num_warps=CONSUMER_WARPS)
-    return dict(GROUPED=grouped, HAS_PE=has_pe, CONSUMER_REGS=PAIR_FP8_CONSUMER_REGS if kv_fp8 else PAIR_CONSUMER_REGS,
-                O_VIA_SMEM=O_VIA_SMEM, KV_FP8=kv_fp8, FP8_ABLATE=FP8_ABLATE if kv_fp8 else 0, num_warps=4)
+    if kv_fp8:
+        raise ValueError("the pair schedule has no fp8_ds_mla variant (FP8_SCHEDULES)")
+    return dict(GROUPED=grouped, HAS_PE=has_pe, CONSUMER_REGS=PAIR_CONSUMER_REGS, O_VIA_SMEM=O_VIA_SMEM, num_warps=4)
 
 
 _PLACEHOLDERS: dict = {}
