@@ -147,6 +147,29 @@ def test_fresh_inputs_repeatable(monkeypatch):
     assert torch.equal(a, b) and torch.equal(la, lb)
 
 
+@pytest.mark.parametrize("H", [16, 128])
+def test_persistent_ctas_skip_routed_away_tokens(monkeypatch, H):
+    """A per-token launch with most tokens routed away (route 0: the grouped path's per-token pass): every CTA
+    skips those items (no Q copy, no barrier round, no store), so their poisoned rows stay NaN, and the routed
+    tokens around them, on three persistent CTAs, still match the reference (the CTAs' barrier phases count only
+    the items they run)."""
+    T, K, N = 37, 150, 700
+    g = torch.Generator().manual_seed(H)
+    p = make_problem(T, H, K, N, seed=H + 1, indices=adversarial_indices(T, K, N, generator=g))
+    route = torch.zeros(T, dtype=torch.int8)
+    route[[0, 5, 6, 7, 20, 36]] = 1
+    route, keep = route.to(p.q.device), route.bool().to(p.q.device)
+    monkeypatch.setitem(gluon_sm90._NUM_SMS, str(p.q.device), 3)
+    monkeypatch.setenv(backends.ENV_VAR, "gluon_sm90")
+    out = torch.full((T, H, 512), float("nan"), dtype=p.q.dtype, device=p.q.device)
+    lse = torch.full((T, H), float("nan"), dtype=torch.float32, device=p.q.device)
+    assert backends.per_token(p.q, p.kv, p.indices, p.sm_scale, None, out, lse, route) == "gluon_sm90"
+    assert torch.isnan(out[~keep]).all() and torch.isnan(lse[~keep]).all()
+    ref_out, ref_lse = sparse_mla_ref(p.q[keep], p.kv, p.indices[keep], p.sm_scale)
+    assert_matches_reference(out[keep], lse[keep], ref_out, ref_lse, p.q.dtype)
+    assert_rows_close(out[keep], ref_out, p.q.dtype, "routed tokens vs reference")
+
+
 @pytest.mark.parametrize("method, H, K", [("per_token", 64, 300), ("per_token", 128, 200), ("grouped", 16, 130),
                                           ("grouped", 32, 200)])
 def test_persistent_ctas_over_items_of_every_length(monkeypatch, method, H, K):

@@ -248,30 +248,32 @@ if GLUON_IMPORT_ERROR is None:
         """Persistent producer: per work item, the first STAGES tiles (they may land while the consumers finish the
         previous item), then Q (once the consumers freed it: q_bars[1]; landed: q_bars[0]), then the other tiles."""
         c = 0
+        it = 0  # the items this CTA has run (items with no real pseudo-head are skipped by every partition)
         for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
             gid, mb, tok0, n_rows, n_heads = _resolve_item(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
                                                            m_blocks, group_heads, has_nrows, has_route, GROUPED)
-            n_tiles = gl.cdiv(n_rows, _BN)
-            it = (w - gl.program_id(0)) // gl.num_programs(0)  # this CTA's item count
-            n_pre = gl.minimum(n_tiles, STAGES)
-            if KV_FP8:
-                _gather_tiles_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 0, n_pre, c, ring_v, ring_r,
-                                  ready, empty, STAGES)
-            else:
-                for j in range(n_pre):
-                    _gather_tile(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, c + j, ring_v, ring_r,
-                                 ready, empty, HAS_PE, STAGES)
-            mbarrier.wait(q_bars.index(1), (it & 1) ^ 1)  # Q buffer free (a fresh barrier passes parity 1)
-            _issue_q(q_ptr, q_v, q_r, stride_qt, stride_qh, mb, tok0, H, n_heads, GROUPED, HAS_PE)
-            async_copy.mbarrier_arrive(q_bars.index(0), increment_count=False)
-            if KV_FP8:
-                _gather_tiles_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, n_pre, n_tiles, c + n_pre,
-                                  ring_v, ring_r, ready, empty, STAGES)
-            else:
-                for j in range(n_pre, n_tiles):
-                    _gather_tile(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, c + j, ring_v, ring_r,
-                                 ready, empty, HAS_PE, STAGES)
-            c += n_tiles
+            if mb * _BH < n_heads:
+                n_tiles = gl.cdiv(n_rows, _BN)
+                n_pre = gl.minimum(n_tiles, STAGES)
+                if KV_FP8:
+                    _gather_tiles_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 0, n_pre, c, ring_v, ring_r,
+                                      ready, empty, STAGES)
+                else:
+                    for j in range(n_pre):
+                        _gather_tile(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, c + j, ring_v, ring_r,
+                                     ready, empty, HAS_PE, STAGES)
+                mbarrier.wait(q_bars.index(1), (it & 1) ^ 1)  # Q buffer free (a fresh barrier passes parity 1)
+                _issue_q(q_ptr, q_v, q_r, stride_qt, stride_qh, mb, tok0, H, n_heads, GROUPED, HAS_PE)
+                async_copy.mbarrier_arrive(q_bars.index(0), increment_count=False)
+                if KV_FP8:
+                    _gather_tiles_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, n_pre, n_tiles, c + n_pre,
+                                      ring_v, ring_r, ready, empty, STAGES)
+                else:
+                    for j in range(n_pre, n_tiles):
+                        _gather_tile(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, c + j, ring_v, ring_r,
+                                     ready, empty, HAS_PE, STAGES)
+                c += n_tiles
+                it += 1
 
     @gluon.jit
     def _epilogue_stats(l_i, m_i, hh, row_ok, tok, lse_ptr, stride_lt, has_lse, sink_ptr, maxl_ptr, stride_mt,
@@ -391,20 +393,22 @@ if GLUON_IMPORT_ERROR is None:
                        STAGES: gl.constexpr, ABLATE: gl.constexpr, O_VIA_SMEM: gl.constexpr):
         """Persistent consumers: per work item, wait for its Q, run the tiles, store, then free the Q buffer."""
         c = 0
+        it = 0  # the items this CTA has run (items with no real pseudo-head are skipped by every partition)
         for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
             gid, mb, tok0, n_rows, n_heads = _resolve_item(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
                                                            m_blocks, group_heads, has_nrows, has_route, GROUPED)
-            n_tiles = gl.cdiv(n_rows, _BN)
-            it = (w - gl.program_id(0)) // gl.num_programs(0)  # this CTA's item count
-            mbarrier.wait(q_bars.index(0), it & 1)  # Q landed
-            fence_async_shared()
-            _consumer(q_v, q_r, ring_v, ring_r, ready, empty, rows_ptr, bits_ptr, row_stride, N, gid, n_rows, n_tiles,
-                      mb, tok0, H, n_heads, out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, qk_scale, has_lse,
-                      sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl, GROUPED, HAS_PE, STAGES, ABLATE, O_VIA_SMEM,
-                      c)
-            gl.thread_barrier()  # every consumer warp is done with Q (and the O staged through it) ...
-            mbarrier.arrive(q_bars.index(1), count=1)  # ... before one thread frees it
-            c += n_tiles
+            if mb * _BH < n_heads:
+                n_tiles = gl.cdiv(n_rows, _BN)
+                mbarrier.wait(q_bars.index(0), it & 1)  # Q landed
+                fence_async_shared()
+                _consumer(q_v, q_r, ring_v, ring_r, ready, empty, rows_ptr, bits_ptr, row_stride, N, gid, n_rows, n_tiles,
+                          mb, tok0, H, n_heads, out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, qk_scale, has_lse,
+                          sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl, GROUPED, HAS_PE, STAGES, ABLATE, O_VIA_SMEM,
+                          c)
+                gl.thread_barrier()  # every consumer warp is done with Q (and the O staged through it) ...
+                mbarrier.arrive(q_bars.index(1), count=1)  # ... before one thread frees it
+                c += n_tiles
+                it += 1
 
     # Integers that change between calls, index-side pointers and lse's row stride are not specialized, so the
     # compiled variants are exactly those of ``variant_constexprs`` (q, kv, out and their strides must be
@@ -556,21 +560,23 @@ if GLUON_IMPORT_ERROR is None:
         """Persistent producer: per work item, its first pair of tiles (they may land while the consumers finish
         the previous item), then Q (once both consumers freed it: q_bars[1]; landed: q_bars[0]), then the rest."""
         k = 0
+        it = 0  # the items this CTA has run (items with no real pseudo-head are skipped by every partition)
         for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
             gid, mb, tok0, n_rows, n_heads = _resolve_item(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
                                                            m_blocks, group_heads, has_nrows, has_route, GROUPED)
-            n_pairs = gl.cdiv(n_rows, 2 * _BN)
-            it = (w - gl.program_id(0)) // gl.num_programs(0)  # this CTA's item count
-            if n_pairs > 0:
-                _pair_gather(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 0, k, ring_l, ring_h, ring_r,
-                             hb, HAS_PE)
-            mbarrier.wait(q_bars.index(1), (it & 1) ^ 1)  # Q buffer free (a fresh barrier passes parity 1)
-            _issue_q(q_ptr, q_v.index(0), q_r.index(0), stride_qt, stride_qh, mb, tok0, H, n_heads, GROUPED, HAS_PE)
-            async_copy.mbarrier_arrive(q_bars.index(0), increment_count=False)
-            for i in range(1, n_pairs):
-                _pair_gather(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, i, k + i, ring_l, ring_h,
-                             ring_r, hb, HAS_PE)
-            k += n_pairs
+            if mb * _BH < n_heads:
+                n_pairs = gl.cdiv(n_rows, 2 * _BN)
+                if n_pairs > 0:
+                    _pair_gather(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 0, k, ring_l, ring_h, ring_r,
+                                 hb, HAS_PE)
+                mbarrier.wait(q_bars.index(1), (it & 1) ^ 1)  # Q buffer free (a fresh barrier passes parity 1)
+                _issue_q(q_ptr, q_v.index(0), q_r.index(0), stride_qt, stride_qh, mb, tok0, H, n_heads, GROUPED, HAS_PE)
+                async_copy.mbarrier_arrive(q_bars.index(0), increment_count=False)
+                for i in range(1, n_pairs):
+                    _pair_gather(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, i, k + i, ring_l, ring_h,
+                                 ring_r, hb, HAS_PE)
+                k += n_pairs
+                it += 1
 
     @gluon.jit
     def _pair_epilogue(o, l_own, m_i, l_mine, l_other, bars, it, q_v, q_bars, out_ptr, lse_ptr, mb, tok0, H, n_heads,
@@ -677,24 +683,20 @@ if GLUON_IMPORT_ERROR is None:
         return s, cols, o, m1, l_i
 
     @gluon.jit
-    def _pair_item(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K, m_blocks, group_heads, has_nrows, has_route,
-                   GROUPED: gl.constexpr):
-        """A consumer warpgroup's start of work item w: (gid, mb, tok0, n_rows, n_heads, pairs of tiles, this CTA's
-        item count, each S row's query in the group (-1 past the real pseudo-heads), and fresh m, l, O, S)."""
+    def _pair_item(mb, n_rows, n_heads, H):
+        """A consumer warpgroup's start of a work item (m-block mb, n_rows kv rows, n_heads real pseudo-heads): (pairs
+        of tiles, each S row's query in the group (-1 past the real pseudo-heads), and fresh m, l, O, S)."""
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
         rows_s: gl.constexpr = gl.SliceLayout(1, s_l)
-        gid, mb, tok0, n_rows, n_heads = _resolve_item(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K, m_blocks,
-                                                       group_heads, has_nrows, has_route, GROUPED)
         n_pairs = gl.cdiv(n_rows, 2 * _BN)
-        it = (w - gl.program_id(0)) // gl.num_programs(0)
         p_s = mb * _BH + gl.arange(0, _BH, layout=rows_s)
         qi = gl.where(p_s < n_heads, p_s // H, -1)
         m_i = gl.full([_BH], _NEG, gl.float32, layout=rows_s)
         l_i = gl.zeros([_BH], gl.float32, layout=rows_s)
         o = gl.zeros([_BH, 256], gl.float32, layout=o_l)
         s = gl.zeros([_BH, _BN], gl.float32, layout=s_l)
-        return gid, mb, tok0, n_rows, n_heads, n_pairs, it, qi, m_i, l_i, o, s
+        return n_pairs, qi, m_i, l_i, o, s
 
     @gluon.jit
     def _pair_wg0(q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, hb, bars, q_bars, rows_ptr, bits_ptr,
@@ -705,37 +707,40 @@ if GLUON_IMPORT_ERROR is None:
         """Warpgroup 0: S of the even tiles (stage 0), O[:, 0:256]; per work item of this CTA."""
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
         k = 0
+        it = 0  # the items this CTA has run (items with no real pseudo-head are skipped by every partition)
         for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
-            gid, mb, tok0, n_rows, n_heads, n_pairs, it, qi, m_i, l_i, o, s = _pair_item(
-                w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K, m_blocks, group_heads, has_nrows, has_route,
-                GROUPED)
-            cols = _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 0, s_l, GROUPED)
-            mbarrier.wait(q_bars.index(0), it & 1)  # Q landed
-            fence_async_shared()
-            if n_pairs > 0:
-                z = ((k + N) < 0).to(gl.int32)
-                mbarrier.wait(hb.index(0), k & 1)  # L0 of tile 0
+            gid, mb, tok0, n_rows, n_heads = _resolve_item(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
+                                                           m_blocks, group_heads, has_nrows, has_route, GROUPED)
+            if mb * _BH < n_heads:
+                n_pairs, qi, m_i, l_i, o, s = _pair_item(mb, n_rows, n_heads, H)
+                cols = _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 0, s_l, GROUPED)
+                mbarrier.wait(q_bars.index(0), it & 1)  # Q landed
                 fence_async_shared()
-                s = _pair_qk_half(q_v, ring_l, 0, z, z, s, False)
-                mbarrier.wait(hb.index(2), k & 1)  # R0 of tile 0
-                fence_async_shared()
-                s = _pair_qk_half(q_v, ring_h, 256, z, z, s, True)
-                if HAS_PE:
-                    s = _pair_qk_rope(q_r, ring_r, z, z, s)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-            for i in range(n_pairs - 1):
-                s, cols, o, m_i, l_i = _pair_wg0_step(s, cols, o, m_i, l_i, i, k + i, q_v, q_r, ring_l, ring_h,
-                                                      ring_r, s_p0, s_p1, s_m0, s_m1, hb, bars, rows_ptr, bits_ptr,
-                                                      row_stride, N, gid, n_rows, qi, qk_scale, GROUPED, HAS_PE, True)
-            if n_pairs > 0:
-                s, cols, o, m_i, l_i = _pair_wg0_step(s, cols, o, m_i, l_i, n_pairs - 1, k + n_pairs - 1, q_v, q_r,
-                                                      ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, hb, bars,
-                                                      rows_ptr, bits_ptr, row_stride, N, gid, n_rows, qi, qk_scale,
-                                                      GROUPED, HAS_PE, False)
-            _pair_epilogue(o, l_i, m_i, s_l0, s_l1, bars, it, q_v, q_bars, out_ptr, lse_ptr, mb, tok0, H,
-                           n_heads, stride_ot, stride_oh, stride_lt, has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink,
-                           has_maxl, 0, GROUPED, O_VIA_SMEM)
-            k += n_pairs
+                if n_pairs > 0:
+                    z = ((k + N) < 0).to(gl.int32)
+                    mbarrier.wait(hb.index(0), k & 1)  # L0 of tile 0
+                    fence_async_shared()
+                    s = _pair_qk_half(q_v, ring_l, 0, z, z, s, False)
+                    mbarrier.wait(hb.index(2), k & 1)  # R0 of tile 0
+                    fence_async_shared()
+                    s = _pair_qk_half(q_v, ring_h, 256, z, z, s, True)
+                    if HAS_PE:
+                        s = _pair_qk_rope(q_r, ring_r, z, z, s)
+                    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+                for i in range(n_pairs - 1):
+                    s, cols, o, m_i, l_i = _pair_wg0_step(s, cols, o, m_i, l_i, i, k + i, q_v, q_r, ring_l, ring_h,
+                                                          ring_r, s_p0, s_p1, s_m0, s_m1, hb, bars, rows_ptr, bits_ptr,
+                                                          row_stride, N, gid, n_rows, qi, qk_scale, GROUPED, HAS_PE, True)
+                if n_pairs > 0:
+                    s, cols, o, m_i, l_i = _pair_wg0_step(s, cols, o, m_i, l_i, n_pairs - 1, k + n_pairs - 1, q_v, q_r,
+                                                          ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, hb, bars,
+                                                          rows_ptr, bits_ptr, row_stride, N, gid, n_rows, qi, qk_scale,
+                                                          GROUPED, HAS_PE, False)
+                _pair_epilogue(o, l_i, m_i, s_l0, s_l1, bars, it, q_v, q_bars, out_ptr, lse_ptr, mb, tok0, H,
+                               n_heads, stride_ot, stride_oh, stride_lt, has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink,
+                               has_maxl, 0, GROUPED, O_VIA_SMEM)
+                k += n_pairs
+                it += 1
 
     @gluon.jit
     def _pair_wg1(q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, hb, bars, q_bars, rows_ptr, bits_ptr,
@@ -751,54 +756,57 @@ if GLUON_IMPORT_ERROR is None:
         rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
         dt: gl.constexpr = ring_l.dtype
         k = 0
+        it = 0  # the items this CTA has run (items with no real pseudo-head are skipped by every partition)
         for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
-            gid, mb, tok0, n_rows, n_heads, n_pairs, it, qi, m_i, l_i, o, s = _pair_item(
-                w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K, m_blocks, group_heads, has_nrows, has_route,
-                GROUPED)
-            mbarrier.wait(q_bars.index(0), it & 1)  # Q landed
-            fence_async_shared()
-            for i in range(n_pairs):
-                kk = k + i
-                z = ((kk + N) < 0).to(gl.int32)  # an opaque 0 (module comment)
-                st0 = z
-                st1 = 1 - z
-                cols = _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 2 * i + 1, s_l, GROUPED)
-                mbarrier.wait(hb.index(3), kk & 1)  # R1 landed
+            gid, mb, tok0, n_rows, n_heads = _resolve_item(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
+                                                           m_blocks, group_heads, has_nrows, has_route, GROUPED)
+            if mb * _BH < n_heads:
+                n_pairs, qi, m_i, l_i, o, s = _pair_item(mb, n_rows, n_heads, H)
+                mbarrier.wait(q_bars.index(0), it & 1)  # Q landed
                 fence_async_shared()
-                s = _pair_qk_half(q_v, ring_h, 256, st1, z, s, False)  # the dead S as accumulator: no zeros live
-                if HAS_PE:
-                    s = _pair_qk_rope(q_r, ring_r, st1, z, s)
-                mbarrier.wait(hb.index(1), kk & 1)  # L1 landed
-                fence_async_shared()
-                s = _pair_qk_half(q_v, ring_l, 0, st1, z, s, True)
-                s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-                s = gl.where(_tile_allowed(cols, qi), s * qk_scale, float("-inf"))
-                mbarrier.wait(bars.index(0), kk & 1)  # m0 ready
-                m1 = gl.maximum(_vec_load(s_m0, rows_s), gl.max(s, axis=1))
-                _vec_store(s_m1, m1)
-                _pair_release(bars.index(1))  # m1 ready
-                p = gl.exp2(s - m1[:, None])
-                alpha = gl.exp2(m_i - m1)
-                m_i = m1
-                o = o * gl.convert_layout(alpha, rows_o)[:, None]
-                pb = p.to(dt)
-                a_op = gl.convert_layout(pb, p_l)
-                o = warpgroup_mma(a_op, ring_h.index(st1), o, is_async=True)
-                l_i = l_i * alpha + gl.sum(p, axis=1)
-                mbarrier.wait(bars.index(4), (kk & 1) ^ 1)  # P1 buffer free (passes at once the first time)
-                s_p1.store(pb)
-                fence_async_shared()
-                mbarrier.wait(bars.index(2), kk & 1)  # P0 ready
-                o = warpgroup_mma(s_p0, ring_h.index(st0), o, is_async=True)
-                _pair_release(bars.index(3))  # P1 ready
-                o, a_op = warpgroup_mma_wait(num_outstanding=1, deps=(o, a_op))  # own P.V done
-                _pair_release(hb.index(7))  # R1 free
-                o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
-                _pair_release(hb.index(6))  # R0 free (V0[:, 256:512] and P0 read)
-            _pair_epilogue(o, l_i, m_i, s_l1, s_l0, bars, it, q_v, q_bars, out_ptr, lse_ptr, mb, tok0, H,
-                           n_heads, stride_ot, stride_oh, stride_lt, has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink,
-                           has_maxl, 1, GROUPED, O_VIA_SMEM)
-            k += n_pairs
+                for i in range(n_pairs):
+                    kk = k + i
+                    z = ((kk + N) < 0).to(gl.int32)  # an opaque 0 (module comment)
+                    st0 = z
+                    st1 = 1 - z
+                    cols = _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 2 * i + 1, s_l, GROUPED)
+                    mbarrier.wait(hb.index(3), kk & 1)  # R1 landed
+                    fence_async_shared()
+                    s = _pair_qk_half(q_v, ring_h, 256, st1, z, s, False)  # the dead S as accumulator: no zeros live
+                    if HAS_PE:
+                        s = _pair_qk_rope(q_r, ring_r, st1, z, s)
+                    mbarrier.wait(hb.index(1), kk & 1)  # L1 landed
+                    fence_async_shared()
+                    s = _pair_qk_half(q_v, ring_l, 0, st1, z, s, True)
+                    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+                    s = gl.where(_tile_allowed(cols, qi), s * qk_scale, float("-inf"))
+                    mbarrier.wait(bars.index(0), kk & 1)  # m0 ready
+                    m1 = gl.maximum(_vec_load(s_m0, rows_s), gl.max(s, axis=1))
+                    _vec_store(s_m1, m1)
+                    _pair_release(bars.index(1))  # m1 ready
+                    p = gl.exp2(s - m1[:, None])
+                    alpha = gl.exp2(m_i - m1)
+                    m_i = m1
+                    o = o * gl.convert_layout(alpha, rows_o)[:, None]
+                    pb = p.to(dt)
+                    a_op = gl.convert_layout(pb, p_l)
+                    o = warpgroup_mma(a_op, ring_h.index(st1), o, is_async=True)
+                    l_i = l_i * alpha + gl.sum(p, axis=1)
+                    mbarrier.wait(bars.index(4), (kk & 1) ^ 1)  # P1 buffer free (passes at once the first time)
+                    s_p1.store(pb)
+                    fence_async_shared()
+                    mbarrier.wait(bars.index(2), kk & 1)  # P0 ready
+                    o = warpgroup_mma(s_p0, ring_h.index(st0), o, is_async=True)
+                    _pair_release(bars.index(3))  # P1 ready
+                    o, a_op = warpgroup_mma_wait(num_outstanding=1, deps=(o, a_op))  # own P.V done
+                    _pair_release(hb.index(7))  # R1 free
+                    o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
+                    _pair_release(hb.index(6))  # R0 free (V0[:, 256:512] and P0 read)
+                _pair_epilogue(o, l_i, m_i, s_l1, s_l0, bars, it, q_v, q_bars, out_ptr, lse_ptr, mb, tok0, H,
+                               n_heads, stride_ot, stride_oh, stride_lt, has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink,
+                               has_maxl, 1, GROUPED, O_VIA_SMEM)
+                k += n_pairs
+                it += 1
 
     @gluon.jit(do_not_specialize=["rows_ptr", "bits_ptr", "nrows_ptr", "gstart_ptr", "glen_ptr", "route_ptr",
                                   "lse_ptr", "row_stride", "stride_lt", "N", "H", "K", "m_blocks", "group_heads",
