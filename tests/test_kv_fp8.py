@@ -274,8 +274,8 @@ def _fp8_selection_inputs(dtype=torch.bfloat16, d_qk=576):
     return q, FMT.as_rows(torch.zeros(32, 656, dtype=torch.uint8))
 
 
-def test_fp8_cache_selects_gluon_with_bf16_q_on_hopper(hopper):
-    from sparse_mla.mqa import backends
+def test_fp8_cache_selects_gluon_with_bf16_q_on_hopper(hopper, monkeypatch):
+    from sparse_mla.mqa import backends, gluon_sm90
 
     q, rows = _fp8_selection_inputs()
     assert backends.fp8_kv_reason(q.dtype, q.shape[-1]) is None
@@ -283,7 +283,8 @@ def test_fp8_cache_selects_gluon_with_bf16_q_on_hopper(hopper):
     name, why = backends.select_backend(q, rows)
     assert name == "gluon_sm90", why
     assert backends.select_backend(q[:, :16], rows, pseudo_heads=128)[0] == "gluon_sm90"  # grouped tile
-    # few heads on many tokens: the Triton kernel's small tiles win on a bf16 cache, not on an FP8 one
+    # few heads on many tokens: the Triton kernel's small tiles win on a bf16 cache (split schedule), not on an FP8 one
+    monkeypatch.setattr(gluon_sm90, "SCHEDULE", "split")
     q16 = torch.zeros(backends.GLUON_FEW_HEADS_MAX_TOKENS + 1, 16, 576, dtype=torch.bfloat16)
     assert backends.select_backend(q16, rows)[0] == "gluon_sm90"
     assert backends.select_backend(q16, torch.zeros(100, 576, dtype=torch.bfloat16))[0] == "triton"

@@ -19,12 +19,19 @@ def test_auto_picks_gluon_on_hopper(hopper):
     assert backends.select_backend(*_qkv(H=16), pseudo_heads=128)[0] == "gluon_sm90"  # a grouped tile
 
 
-def test_few_heads_per_tile_stay_on_triton(hopper):
+def test_few_heads_per_tile_stay_on_triton_on_the_split_schedule_only(hopper, monkeypatch):
+    """Below 32 pseudo-heads on long steps the split schedule loses to the Triton kernel's small tiles; the pair
+    schedule does not (backends.triton_small_tiles_win), and describe_for_device says the same."""
     T = backends.GLUON_FEW_HEADS_MAX_TOKENS + 1
     q, kv = torch.zeros(T, 16, 576, dtype=torch.bfloat16), torch.zeros(100, 576, dtype=torch.bfloat16)
+    monkeypatch.setattr(gluon_sm90, "SCHEDULE", "split")
     name, why = backends.select_backend(q, kv)
-    assert name == "triton" and "pseudo-heads per tile" in why
+    assert name == "triton" and "pseudo-heads per tile" in why and "split schedule" in why
     assert backends.select_backend(q[: T - 1], kv)[0] == "gluon_sm90"  # a short step fills more of the GPU this way
+    assert "triton per token" in backends.describe_for_device(q.device, num_heads=16, num_tokens=T)
+    monkeypatch.setattr(gluon_sm90, "SCHEDULE", "pair")
+    assert backends.select_backend(q, kv)[0] == "gluon_sm90"
+    assert "triton per token" not in backends.describe_for_device(q.device, num_heads=16, num_tokens=T)
 
 
 @pytest.mark.parametrize("cap", [(8, 0), (10, 0), (12, 0)])

@@ -100,13 +100,14 @@ def gluon_sm90_applies(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | No
 # Measured on the H200 (results/gluon-v3.json, per token, T 8192, topk 2048): 16 heads Gluon 5.47 ms vs Triton
 # 4.14 ms; 32 heads 5.55 vs 5.82 ms; 64 heads 5.90 vs 9.29 ms. Grouped tiles hold G * H = 128 pseudo-heads.
 GLUON_MIN_PSEUDO_HEADS = 32
-# The pair schedule (the default since session 7) beats the Triton kernel per token at 16 / 32 heads on every token
-# count measured (results/probe-pair.json: 1.03-1.07x / 1.37-1.42x, 2K-16K tokens, every token computed), but the
-# rule stays for it: with the rule off, the grouped layer calls of results/bench-1cd465e.json ran ~8% slower (2.20
-# vs 2.02 ms at 8K tokens, 16 heads), the likely cause being the grouped path's per-token pass, a launch over every
-# token with most of them routed away, where the persistent Gluon kernel still walks each empty item (Q copy,
-# barriers, epilogue) while a Triton program exits at once. Not confirmed by a separate run; skipping empty items in
-# the kernel is the fix to try before dropping the rule.
+# The rule holds for the split schedule only. The pair schedule (the default since session 7) beats the Triton
+# kernel per token at 16 / 32 heads on every token count measured (results/probe-pair.json: 1.03-1.07x /
+# 1.37-1.42x, 2K-16K tokens, every token computed). Its rule was first kept because grouped layer calls ran ~8%
+# slower without it (results/bench-1cd465e.json): their per-token pass is one launch over every token with most of
+# them routed away, and the persistent kernel walked each empty item. Since every partition skips an item with no
+# real pseudo-head (rev 0cfdc34), the layer bench with and without the rule (results/bench-0cfdc34-rule.json,
+# -norule.json, same revision) has the per-token calls at 16 heads 2-5% faster on Gluon (4.56 vs 4.64 ms at 8K
+# tokens, 4.51 vs 4.72 at 16K + 8K) and the grouped calls within +-3% (2.01 vs 2.11 ms at 8K, 8.48 vs 8.38 at 32K).
 # ... except on short steps, where the Triton kernel's 16-row programs are too few to fill the GPU. Weak evidence,
 # from the layer bench (results/bench-a704472.json): 32K cached + 256 / + 900 new tokens at 16 heads ran in
 # 0.69-0.79 ms with Gluon on q padded to 64 heads against 0.85-0.97 ms per token with Triton (layer calls, not
@@ -121,8 +122,13 @@ GLUON_FEW_HEADS_MAX_TOKENS = 1024
 def triton_small_tiles_win(pseudo_heads: int, num_tokens: int, kv_fp8: bool) -> bool:
     """Whether the automatic choice takes the Triton kernel although the Gluon one applies: fewer than
     ``GLUON_MIN_PSEUDO_HEADS`` pseudo-heads per tile on more than ``GLUON_FEW_HEADS_MAX_TOKENS`` tokens of a bf16 /
-    fp16 cache (never on an fp8_ds_mla cache). The one rule ``select_backend`` and ``describe_for_device`` share."""
-    return pseudo_heads < GLUON_MIN_PSEUDO_HEADS and num_tokens > GLUON_FEW_HEADS_MAX_TOKENS and not kv_fp8
+    fp16 cache when the Gluon kernel runs the split schedule (never on the pair schedule, never on an fp8_ds_mla
+    cache). The one rule ``select_backend`` and ``describe_for_device`` share."""
+    if kv_fp8 or pseudo_heads >= GLUON_MIN_PSEUDO_HEADS or num_tokens <= GLUON_FEW_HEADS_MAX_TOKENS:
+        return False
+    from . import gluon_sm90
+
+    return gluon_sm90.schedule_for(False) == "split"
 
 
 def select_backend(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None = None,
@@ -130,8 +136,9 @@ def select_backend(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None =
     """(backend, reason) for a launch on these tensors, honouring ``SPARSE_MLA_MQA_BACKEND``.
 
     ``pseudo_heads``: rows of one attention tile (H per token; G * H grouped; default H). Automatic
-    selection takes the Gluon kernel from ``GLUON_MIN_PSEUDO_HEADS`` up, and below that only for steps of at
-    most ``GLUON_FEW_HEADS_MAX_TOKENS`` tokens (an fp8_ds_mla cache: at every head count).
+    selection takes the Gluon kernel wherever it applies, except, on its split schedule, below
+    ``GLUON_MIN_PSEUDO_HEADS`` pseudo-heads on more than ``GLUON_FEW_HEADS_MAX_TOKENS`` tokens of a bf16 / fp16
+    cache (``triton_small_tiles_win``).
 
     Raises:
         ValueError: the variable names an unknown backend, or forces one that does not apply here.
@@ -151,8 +158,8 @@ def select_backend(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None =
     rows = q.shape[1] if pseudo_heads is None else pseudo_heads
     if triton_small_tiles_win(rows, q.shape[0], kv.dtype == torch.uint8):
         return "triton", (f"{rows} pseudo-heads per tile < {GLUON_MIN_PSEUDO_HEADS} on {q.shape[0]} > "
-                          f"{GLUON_FEW_HEADS_MAX_TOKENS} tokens: the Triton kernel's smaller tiles are faster there "
-                          "(H200, results/gluon-v3.json)")
+                          f"{GLUON_FEW_HEADS_MAX_TOKENS} tokens on the split schedule: the Triton kernel's smaller "
+                          "tiles are faster there (H200, results/gluon-v3.json)")
     return "gluon_sm90", why
 
 
