@@ -251,7 +251,8 @@ def warmup(
     cap = workspace.max_tokens if workspace is not None else max_tokens
     reps = step_shape_reps(G, cap, max_requests, workspace.max_groups if workspace is not None else None)
     # per-token launches: a short step, and one past the token count above which few-head steps switch from
-    # the Gluon to the Triton kernel (sparse_mla.mqa.backends), so that both are compiled
+    # the Gluon to the Triton kernel on the split schedule (sparse_mla.mqa.backends.triton_small_tiles_win), so that
+    # whichever kernels the selection takes are compiled
     big = {t for t in (GLUON_FEW_HEADS_MAX_TOKENS + 1, GLUON_FEW_HEADS_MAX_TOKENS + 16) if t <= cap}  # both 16-classes
     per_token_T = sorted({min(2, cap)} | big)
     t_big = max([T for T, _ in reps] + per_token_T)

@@ -28,7 +28,9 @@ the real rows (O goes through the dead Q buffer in row-contiguous 16-byte pieces
 tiles). Both kernels are
 persistent (``PERSISTENT``): one CTA per SM loops over the work items (list, m-block); its producer loads each
 item's Q once the consumers have freed the buffer and gathers the item's first tiles while the consumers finish the
-previous one.
+previous one. An item whose m-block holds no real pseudo-head (a token routed away, an empty group, a short
+group's second m-block) is skipped by every partition alike (it writes nothing), so the barrier phases count only
+the items a CTA runs.
 
 FP8 cache (``KV_FP8``, kv the uint8 rows [N, 656] of an ``fp8_ds_mla`` cache, bf16 q, D_qk 576): the producer
 lands each row's 64 bf16 RoPE values by cp.async and dequantizes the 512 e4m3 NoPE values itself (register path:
