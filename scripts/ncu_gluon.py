@@ -22,7 +22,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--schedule", default=gluon_sm90.SCHEDULE, choices=gluon_sm90.SCHEDULES)
     ap.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp8"),
-                    help="fp8: the cache as fp8_ds_mla rows (ue8m0 scales)")
+                    help="fp8: the cache as fp8_ds_mla rows (ue8m0 scales; an FP8 cache runs the split schedule "
+                    "whatever --schedule says: gluon_sm90.schedule_for)")
     a = ap.parse_args()
     os.environ["SPARSE_MLA_MQA_BACKEND"] = "gluon_sm90"
     gluon_sm90.SCHEDULE = a.schedule

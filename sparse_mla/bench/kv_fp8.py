@@ -5,8 +5,8 @@
 Per case (per token at each ``--heads``; grouped at each ``--grouped-heads``, G = 128 // H, union built once
 and not timed, as ``scripts/bench_gluon.py`` times it), the rows:
 
-* ``bf16``: the bf16 cache through the selection point (``sparse_mla.mqa.backends``: the Gluon kernel where it
-  applies, on an H200 at >= 32 pseudo-heads per tile).
+* ``bf16``: the bf16 cache through the selection point (``sparse_mla.mqa.backends``: on an H200 the Gluon kernel,
+  pair schedule; the Triton kernel below 32 pseudo-heads on > 1024 tokens when the split schedule is selected).
 * ``bf16 triton``: the bf16 cache forced onto the Triton kernel (the cost of that kernel's in-register
   dequantization alone is ``fp8 triton`` against this).
 * ``fp8``: the FP8 cache through the selection point (on an H200 with bf16 q: the Gluon kernel, whose producer
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--trials", type=int, default=3 if on_gpu else 1, help="timing trials per row")
     ap.add_argument("--sweep-configs", action="store_true", help="also time the FP8 cache at SWEEP_CONFIGS")
     ap.add_argument("--variants", default="", help=f"only these rows, comma-separated, of {', '.join(VARIANTS)} "
-                    "(default: all)")
+                    "(default: all; --sweep-configs adds its rows either way)")
     ap.add_argument("--json", default="out/kv_fp8.json", help="where to write the results")
     a = ap.parse_args(argv)
     if a.rows < a.tokens or min(a.tokens, a.topk) < 1:

@@ -107,8 +107,10 @@ GLUON_MIN_PSEUDO_HEADS = 32
 # them routed away, and the persistent kernel walked each empty item. Since every partition skips an item with no
 # real pseudo-head (rev 0cfdc34), the layer bench with and without the rule (results/bench-0cfdc34-rule.json,
 # -norule.json, same revision) has the per-token calls at 16 heads 2-5% faster on Gluon (4.56 vs 4.64 ms at 8K
-# tokens, 4.51 vs 4.72 at 16K + 8K) and the grouped calls within +-3% (2.01 vs 2.11 ms at 8K, 8.48 vs 8.38 at 32K).
-# ... except on short steps, where the Triton kernel's 16-row programs are too few to fill the GPU. Weak evidence,
+# tokens, 4.51 vs 4.72 at 16K + 8K) and the grouped calls at most 3.4% slower and up to 9% faster without the rule
+# (glm-5 24K + 8K: 2.38 vs 2.30 ms; deepseek-v3.2 8K: 1.93 vs 2.13).
+# The rule (split schedule) holds on long steps only: on short ones the Triton kernel's 16-row programs are too
+# few to fill the GPU. Weak evidence,
 # from the layer bench (results/bench-a704472.json): 32K cached + 256 / + 900 new tokens at 16 heads ran in
 # 0.69-0.79 ms with Gluon on q padded to 64 heads against 0.85-0.97 ms per token with Triton (layer calls, not
 # an A/B of the kernels; the next run, results/bench.json, has per token on Gluon at 0.89-1.39 ms, so per-call
@@ -192,7 +194,8 @@ def describe_for_device(device: torch.device | None = None, dtype: torch.dtype =
         return f"attention backend: triton (gluon_sm90 does not apply: {why})"
     if num_heads is not None and num_tokens is not None and triton_small_tiles_win(num_heads, num_tokens, kv_fp8):
         return (f"attention backend: gluon_sm90 for grouped tiles, triton per token ({num_heads} heads < "
-                f"{GLUON_MIN_PSEUDO_HEADS} on {num_tokens} > {GLUON_FEW_HEADS_MAX_TOKENS} tokens; {why})")
+                f"{GLUON_MIN_PSEUDO_HEADS} on {num_tokens} > {GLUON_FEW_HEADS_MAX_TOKENS} tokens on the split "
+                f"schedule; {why})")
     return f"attention backend: gluon_sm90 ({why})"
 
 
