@@ -140,14 +140,12 @@ def run_case(kind: str, H: int, T: int, K: int, N: int, *, dtype: torch.dtype, d
         return run
 
     fp8b = FP8_DS_MLA.row_bytes
-    variants = [("bf16", "auto", kv, launch(kv), ref16, 2 * D_QK),
-                ("bf16 triton", "triton", kv, launch(kv), ref16, 2 * D_QK),
-                ("fp8", "auto", rows8, launch(rows8), ref8, fp8b),
-                ("fp8 triton", "triton", rows8, launch(rows8), ref8, fp8b),
-                ("dequant+bf16", "auto", workspace, dequant_then(launch(workspace)), ref8, 2 * D_QK)]
-    assert [v[0] for v in variants] == list(VARIANTS)
-    if only is not None:
-        variants = [v for v in variants if v[0] in only]
+    rows_of = {"bf16": ("auto", kv, launch(kv), ref16, 2 * D_QK),  # name -> (backend, kv, launch, reference, bytes)
+               "bf16 triton": ("triton", kv, launch(kv), ref16, 2 * D_QK),
+               "fp8": ("auto", rows8, launch(rows8), ref8, fp8b),
+               "fp8 triton": ("triton", rows8, launch(rows8), ref8, fp8b),
+               "dequant+bf16": ("auto", workspace, dequant_then(launch(workspace)), ref8, 2 * D_QK)}
+    variants = [(name, *rows_of[name]) for name in VARIANTS if only is None or name in only]
     if sweep:
         variants += [(f"fp8 triton cfg={bn}/{w}/{s}", "triton", rows8, launch(rows8, (bn, w, s)), ref8, fp8b)
                      for bn, w, s in SWEEP_CONFIGS]
