@@ -79,7 +79,9 @@ def flash_mla_sparse_fwd(
         d_v: value width; 512 only.
         attn_sink: optional [h_q] float32 on q's device: per-head sink logit, natural units. out is
             multiplied by exp(lse) / (exp(lse) + exp(attn_sink[h])); -inf has no effect, +inf makes
-            out 0. Does not change lse or max_logits.
+            out 0. Does not change lse or max_logits. A NaN entry makes that head's out NaN for every
+            query with a valid index; this call does not read the values (FlashMLA's signature has no
+            checked mode): ``sparse_mla_fwd(..., check=True)`` raises on it.
         topk_length: optional [s_q] int32: only indices[t, 0, :topk_length[t]] count (clamped to
             [0, topk]); later entries are never read.
 

@@ -20,6 +20,7 @@ from .union import backends as union_backends
 from .union import probe as union_probe
 from .union.triton_tl import MAX_GROUP_SIZE, plan_groups
 from .validation import (
+    check_attn_sink_values,
     require_kernel_tensor,
     validate_fwd_buffers,
     validate_group_union_args,
@@ -84,7 +85,7 @@ def sparse_mla_fwd(
             inside requests and a request's last n % G rows run per token. Absent: groups run
             token-major over all rows (ShardQ layout), the tail group is short.
         check: checked mode: raise on a valid index >= N, a repeated row in one list, a bad
-            topk_length or cu_seqlens_q (syncs the device).
+            topk_length or cu_seqlens_q, a non-finite selected kv row, a NaN attn_sink (syncs the device).
         workspace: scratch for the grouped path (``SparseMLAWorkspace``); a call then allocates
             no union buffers. Allocated per call when None.
         out / lse: optional preallocated outputs, [T, H, d_v] q.dtype and [T, H] fp32.
@@ -93,7 +94,8 @@ def sparse_mla_fwd(
             -1 = the default table (``selection.overlap_guard_ratio``), None = no guard.
         attn_sink: optional [H] float32 on q's device: a per-head sink logit (natural units) added
             to the softmax denominator of out, out[t, h] *= 1 / (1 + exp(attn_sink[h] - lse[t, h]));
-            -inf changes nothing, +inf gives out 0. lse and max_logits do not include it.
+            -inf changes nothing, +inf gives out 0. lse and max_logits do not include it. A NaN entry
+            makes that head's out NaN for every query with a valid row; check=True raises on it.
         max_logits: optional preallocated [T, H] float32 output (heads contiguous), written in the
             same pass: max over the valid rows of sm_scale * q . k (natural units), -inf for a query
             with no valid row. Not returned; read the tensor you passed.
@@ -109,8 +111,8 @@ def sparse_mla_fwd(
     Non-finite kv rows: a NaN / inf in a row query t does not select never changes out[t] / lse[t]
     with method="per_token"; method="grouped" can make the out of every query in the selecting
     query's group non-finite (docs/DESIGN.md "Non-finite kv rows"). check=True raises on a
-    non-finite value in any selected row (for an FP8 cache: in the dequantized row, e.g. a NaN or inf
-    scale).
+    non-finite value in any selected row (for an FP8 cache: in the row dequantized to q's dtype, as
+    the kernel computes it: a NaN or inf scale, or a product past the dtype's range, e.g. 65536 in fp16).
 
     Backends: the attention runs the Gluon sm_90 kernel or the portable Triton one, chosen by
     ``sparse_mla.mqa.backends`` (``SPARSE_MLA_MQA_BACKEND`` forces one); the union builder is chosen
@@ -125,10 +127,11 @@ def sparse_mla_fwd(
             tl.dot is wrong: use fp16 on the CPU).
         ValueError: shape / device / layout mismatches, D_qk not in {512, 576}, d_v != 512, an
             unknown method, a workspace that does not fit, CPU tensors without TRITON_INTERPRET=1,
-            and (check=True) bad index contents; attn_sink / max_logits of the wrong shape or dtype
-            (TypeError for the dtype); an unknown kv_format; with kv_format="fp8_ds_mla" a kv whose rows
-            are not 656 bytes or not 16-byte aligned, or D_qk != 576 (TypeError: kv not uint8 /
-            float8_e4m3fn; a uint8 / float8 kv of 656-byte rows without kv_format).
+            and (check=True) bad index contents, a non-finite selected kv row or a NaN attn_sink;
+            attn_sink / max_logits of the wrong shape or dtype (TypeError for the dtype); an unknown
+            kv_format; with kv_format="fp8_ds_mla" a kv whose rows are not 656 bytes or not 16-byte
+            aligned, or D_qk != 576 (TypeError: kv not uint8 / float8_e4m3fn; a uint8 / float8 kv of
+            656-byte rows without kv_format).
     """
     p = validate_sparse_mla_args(
         q, kv, indices, sm_scale, d_v=d_v, topk_length=topk_length, cu_seqlens_q=cu_seqlens_q, check=check,
@@ -136,7 +139,7 @@ def sparse_mla_fwd(
     )
     T, H, D = p.q.shape
     chosen, reason = resolve_method(method, H, T)
-    attn_sink = check_sink_and_max_logits(attn_sink, max_logits, T, H, q.device)
+    attn_sink = check_sink_and_max_logits(attn_sink, max_logits, T, H, q.device, check=check)
     # out / lse / workspace / flags, every one before any launch (validation.validate_fwd_buffers)
     G = validate_fwd_buffers(p, return_lse=return_lse, grouped=chosen == "grouped", group_size=group_size,
                              overlap_guard=overlap_guard, out=out, lse=lse, workspace=workspace,
@@ -164,12 +167,14 @@ def sparse_mla_fwd(
 
 
 def check_sink_and_max_logits(attn_sink: torch.Tensor | None, max_logits: torch.Tensor | None, T: int, H: int,
-                              device: torch.device) -> torch.Tensor | None:
+                              device: torch.device, *, check: bool = False) -> torch.Tensor | None:
     """Check ``attn_sink`` ([H] float32) and ``max_logits`` ([T, H] float32, heads contiguous) on ``device``;
-    returns attn_sink made contiguous (the kernels index it by head).
+    returns attn_sink made contiguous (the kernels index it by head). ``check``: also read attn_sink's values
+    (``check_attn_sink_values``; syncs the device).
 
     Raises:
-        TypeError: not a tensor, or not float32. ValueError: wrong shape, device or layout.
+        TypeError: not a tensor, or not float32. ValueError: wrong shape, device or layout; with check, a NaN
+            attn_sink entry.
     """
     for name, x, shape in (("attn_sink", attn_sink, (H,)), ("max_logits", max_logits, (T, H))):
         if x is None:
@@ -185,6 +190,8 @@ def check_sink_and_max_logits(attn_sink: torch.Tensor | None, max_logits: torch.
             raise ValueError(f"{name} is on {x.device} but q is on {device}; all tensors must share one device")
     if max_logits is not None and H > 1 and max_logits.stride(1) != 1:
         raise ValueError(f"max_logits must have contiguous heads (stride 1 along dim 1), got strides {max_logits.stride()}")
+    if check and attn_sink is not None:
+        check_attn_sink_values(attn_sink)
     return None if attn_sink is None else attn_sink.contiguous()
 
 

@@ -380,7 +380,8 @@ def check_contents(p: SparseMLAProblem) -> None:
     Raises:
         ValueError: a valid (non-negative) index >= N, duplicate valid rows in one query's list,
             topk_length outside [0, K], cu_seqlens_q not running from 0 to T non-decreasing, or a
-            NaN / inf in a kv row that some query selects (``check_selected_rows_finite``).
+            NaN / inf in a kv row that some query selects (``check_selected_rows_finite``; an FP8
+            cache's rows as they dequantize to q's dtype).
     """
     T, K, N = p.num_tokens, p.topk, p.num_kv_rows
     idx = p.indices
@@ -401,7 +402,22 @@ def check_contents(p: SparseMLAProblem) -> None:
         cu = p.cu_seqlens_q
         if int(cu[0]) != 0 or int(cu[-1]) != T or bool((cu[1:] < cu[:-1]).any()):
             raise ValueError(f"cu_seqlens_q must run from 0 to T = {T}, non-decreasing; got {cu.tolist()}")
-    check_selected_rows_finite(p.kv, idx, valid, kv_format=p.kv_format)
+    check_selected_rows_finite(p.kv, idx, valid, kv_format=p.kv_format, dtype=p.q.dtype)
+
+
+def check_attn_sink_values(attn_sink: torch.Tensor) -> None:
+    """The checked mode's look at an ``attn_sink`` [H] float32 (syncs the device): a NaN sink logit makes its
+    head's out NaN for every query with a valid row, so it is refused; -inf (no sink) and +inf (out 0) are
+    defined (``sparse_mla.mqa.reference``).
+
+    Raises:
+        ValueError: naming the first NaN head.
+    """
+    nan = torch.isnan(attn_sink)
+    if bool(nan.any()):
+        h = int(nan.nonzero()[0, 0])
+        raise ValueError(f"attn_sink[{h}] is NaN ({int(nan.sum())} NaN heads): out of head {h} would be NaN for every "
+                         "query with a valid row; a sink logit must be a number, -inf (no sink) or +inf (out 0) (check=True)")
 
 
 def kv_rows_of_format(kv: object, kv_format: str, d_qk: int, d_qk_name: str, name: str = "kv") -> torch.Tensor:
@@ -425,25 +441,32 @@ NONFINITE_CONTRACT = ('docs/DESIGN.md "Non-finite kv rows": a query that selects
                       "paths any query of its request")
 
 
-def nonfinite_rows(kv: torch.Tensor, rows: torch.Tensor, chunk: int = 4096, *, kv_format: str | None = None) -> torch.Tensor:
+def nonfinite_rows(kv: torch.Tensor, rows: torch.Tensor, chunk: int = 4096, *, kv_format: str | None = None,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
     """The entries of ``rows`` (1-D int64 row ids of ``kv`` [N, D]) whose row holds a NaN or an inf,
     ascending; reads ``chunk`` rows at a time (no full-size temporary). With a ``kv_format`` (kv its byte
-    rows), the rows as they dequantize (``sparse_mla.kv_format``)."""
+    rows), the rows as they dequantize to ``dtype`` (``sparse_mla.kv_format``), which must be q's dtype: the
+    kernels and references dequantize to it, and a product that is finite in fp32 can overflow there (e4m3
+    256 times scale 256 is 65536, inf in fp16)."""
     fmt = None if kv_format is None else KV_FORMATS[kv_format]
+    if fmt is not None and dtype is None:
+        raise ValueError("nonfinite_rows: a kv_format needs the dtype its rows dequantize to (q's dtype)")
     bad = []
     for r0 in range(0, rows.numel(), chunk):
         r = rows[r0:r0 + chunk]
-        vals = kv[r] if fmt is None else fmt.dequantize(kv, torch.float32, rows=r)
+        vals = kv[r] if fmt is None else fmt.dequantize(kv, dtype, rows=r)
         bad.append(r[~torch.isfinite(vals).all(dim=1)])
     return torch.cat(bad) if bad else rows[:0]
 
 
 def check_selected_rows_finite(kv: torch.Tensor, indices: torch.Tensor, selected: torch.Tensor,
-                               what: str = "check=True", *, kv_format: str | None = None) -> None:
+                               what: str = "check=True", *, kv_format: str | None = None,
+                               dtype: torch.dtype | None = None) -> None:
     """Raise when a kv row that some query selects holds a NaN or an inf (syncs the device).
 
     Args:
-        kv: [N, D] rows (the byte rows of a ``kv_format`` cache: checked as they dequantize).
+        kv: [N, D] rows (the byte rows of a ``kv_format`` cache: checked as they dequantize to ``dtype``,
+            q's dtype, the one the kernels compute in).
         indices: [T, K] int32 rows. selected: [T, K] bool, the entries that count
             (valid: counted, >= 0 and < N).
 
@@ -454,7 +477,7 @@ def check_selected_rows_finite(kv: torch.Tensor, indices: torch.Tensor, selected
     if indices.numel() == 0:
         return
     rows = torch.unique(indices[selected].long())
-    bad = nonfinite_rows(kv, rows, kv_format=kv_format)
+    bad = nonfinite_rows(kv, rows, kv_format=kv_format, dtype=dtype)
     if bad.numel() == 0:
         return
     first = bad[:8].tolist()

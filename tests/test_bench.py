@@ -1,21 +1,27 @@
-"""The `sparse-mla bench` / `sparse-mla report` commands on the CPU (Triton interpreter, fp16).
+"""The `sparse-mla bench` / `sparse-mla report` commands.
 
-One tiny layer-level run (16 heads per rank, top-k 16): a prompt that fits in the top-k (dense
-MHA eligible) and a continuation after a cached prefix (it is not). Every supported path, the
-pad-64 baseline included, must be checked against the fp32 reference and timed; unsupported paths
-carry their reason; the report prints the README table from the JSON (and the committed GPU run's).
-Plus the CLI's option checks and trial defaults, ``run_scenario``'s argument checks and error
-recording, ``best_path`` and the timing quantiles, without running kernels.
+On a CPU machine, one tiny layer-level run through the Triton interpreter (fp16; 16 heads per rank, top-k 16):
+a prompt that fits in the top-k (dense MHA eligible) and a continuation after a cached prefix (it is not).
+Every supported path, the pad-64 baseline included, must be checked against the fp32 reference and timed;
+unsupported paths carry their reason; the report prints the README table from the JSON (and the committed GPU
+run's). Those tests are about the interpreter run (its banner, its fp16 tolerance) and are skipped on a CUDA
+machine. Plus, on any machine: the CLI's option checks and trial defaults, ``run_scenario``'s argument checks and
+error recording, ``best_path``, the timing quantiles, the union ratio and the pad-64 baseline's FlashMLA call on
+the suite's device, and the JSON's provenance.
 """
 
 import json
 import math
+import os
+import shutil
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from lib import TOLERANCE, all_of
+from lib import DEVICE, DTYPE, HAS_CUDA, LAYER_ROW_TOLERANCE, TOLERANCE, all_of, assert_rows_close, cpu_only
 from typer.testing import CliRunner
 
 import sparse_mla.cli as cli
@@ -28,6 +34,9 @@ RUNNER = CliRunner()
 TINY = ["--dims", "16,512,32,64,32", "--tokens", "12,12", "--cached", "0,24", "--topk", "16"]
 SCENARIOS = ("dims-16-512-32-64-32/tp1/12", "dims-16-512-32-64-32/tp1/24+12")
 COMMITTED = Path(__file__).resolve().parent.parent / "results" / "bench.json"
+# The tests of the interpreter run (bench_json): its "NOT performance numbers" banner, timings_meaningful False,
+# the fp16 tolerance, the scenarios the interpreter runs.
+interpreter_bench = cpu_only("the bench's Triton-interpreter run (fp16, its banner and JSON)")
 
 
 def flat(text: str) -> str:
@@ -45,6 +54,7 @@ def bench_json(tmp_path_factory):
     return out / "b.json"
 
 
+@interpreter_bench
 def test_bench_json_paths(bench_json):
     data = json.loads(bench_json.read_text())
     assert data["meta"]["timings_meaningful"] is False and data["meta"]["trials"] == 2
@@ -91,8 +101,8 @@ def test_union_stats_ratio_from_sets(cached, new):
 
     H, K = 16, 16
     G = 128 // H
-    inp = make_inputs(MODELS["glm-5"], cached, new, K, H, "mid", 3, torch.device("cpu"), torch.float16)
-    got = union_stats(inp, H, on_gpu=False, trials=1)
+    inp = make_inputs(MODELS["glm-5"], cached, new, K, H, "mid", 3, DEVICE, DTYPE)
+    got = union_stats(inp, H, on_gpu=HAS_CUDA, trials=1)
     rows = [{r for r in row if r >= 0} for row in inp["indices"].tolist()]  # lists are -1 padded, in-window
     groups = [set().union(*rows[g:g + G]) for g in range(0, new // G * G, G)]
     valid = [len(r) for r in rows[: new // G * G]]
@@ -101,6 +111,7 @@ def test_union_stats_ratio_from_sets(cached, new):
     assert 1.0 < expected < G  # neighbours share rows, but not all of them
 
 
+@interpreter_bench
 def test_report_prints_table(bench_json):
     res = RUNNER.invoke(app, ["report", str(bench_json)])
     assert res.exit_code == 0, res.output
@@ -135,6 +146,46 @@ def test_report_rejects_other_json(tmp_path):
     assert res.exit_code == 2 and "not a `sparse-mla bench` JSON" in flat(res.output)
 
 
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs the git command")
+def test_git_revision_is_the_imported_package_own(tmp_path, monkeypatch):
+    """The bench JSON records the revision of the package that runs, never that of the repository around the
+    working directory: a source copy of the package, untracked inside another repository and run from there, is
+    "unknown"; once that repository tracks the copy, its HEAD; a copy outside any repository, "unknown". Beside
+    it, sparse_mla_version is the package's __version__."""
+    import sparse_mla
+    from sparse_mla.bench.report import git_revision, provenance
+
+    monkeypatch.delenv("GIT_REV", raising=False)
+    other = tmp_path / "other"
+    copy = other / "vendor" / "sparse_mla"
+    shutil.copytree(Path(sparse_mla.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *args], cwd=other, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    (other / "README").write_text("another project\n")
+    git("add", "README")
+    git("commit", "-q", "-m", "another project")
+    env = {k: v for k, v in os.environ.items() if k != "GIT_REV"}
+    env["PYTHONPATH"] = str(other / "vendor")
+    run = subprocess.run([sys.executable, "-c", "import sparse_mla, sparse_mla.bench.report as r; "
+                          "print(sparse_mla.__file__); print(r.git_revision())"], cwd=other, env=env, check=True,
+                         capture_output=True, text=True)
+    imported, rev = run.stdout.split()
+    assert Path(imported) == copy / "__init__.py" and rev == "unknown", run.stdout
+    git("add", "vendor")
+    git("commit", "-q", "-m", "vendor sparse_mla")
+    assert git_revision(copy) == git("rev-parse", "HEAD")
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    shutil.copy(copy / "__init__.py", loose)
+    assert git_revision(loose) == "unknown"
+    meta = provenance(interpreted=True, trials=1)
+    assert meta["git_revision"] == git_revision() and meta["sparse_mla_version"] == sparse_mla.__version__
+
+
 @pytest.mark.parametrize("args, option", [
     (["--dims", "16,512,32"], "--dims"),
     (["--dims", "16,512,32,64,x"], "--dims"),
@@ -151,7 +202,7 @@ def test_report_rejects_other_json(tmp_path):
 def test_bench_rejects_bad_options(args, option):
     res = RUNNER.invoke(app, ["bench", *args, "--json", "/nonexistent/never.json"])
     assert res.exit_code == 2, res.output
-    assert f"Invalid value for {option}" in flat(res.output)
+    assert f"Invalid value for {option}" in flat(res.output), res.output
 
 
 def test_bench_torchrun_checks_tp(monkeypatch):
@@ -345,6 +396,7 @@ def test_topk_stats_fits_80_columns(tmp_path):
     assert sum("│    61 │" in line for line in lines) == 1 + 3  # the lists table and three G rows
 
 
+@interpreter_bench
 def test_cpu_bench_plot(bench_json, tmp_path):
     """The interpreter run's plot: the title says so, each panel has two or more bars per path (two
     scenarios: not single points), the chosen path of every scenario is marked."""
@@ -363,9 +415,10 @@ def test_cpu_bench_plot(bench_json, tmp_path):
 
 def test_pad64_baseline_runs_flash_mla_when_installed(monkeypatch):
     """With a ``flash_mla`` package importable on a Hopper GPU the pad-64 baseline calls its
-    ``flash_mla_sparse_fwd`` (FlashMLA's shapes: kv [N, 1, D], indices [T, 1, K]); emulated here by a
-    stand-in module over this package's compatible entry point, it must give the same output as the
-    default pad-64 run, and the bench records which baseline ran."""
+    ``flash_mla_sparse_fwd`` (FlashMLA's shapes: kv [N, 1, D], indices [T, 1, K]); emulated here, on the suite's
+    device and dtype, by a stand-in module over this package's compatible entry point, it must give the output of
+    the pad-64 run on this package's kernel (what runs without flash_mla), and the bench records which baseline
+    ran."""
     import types
 
     import sparse_mla
@@ -380,12 +433,14 @@ def test_pad64_baseline_runs_flash_mla_when_installed(monkeypatch):
         return sparse_mla.flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v=d_v, attn_sink=attn_sink,
                                                topk_length=topk_length)
 
-    inp = make_inputs(MODELS["glm-5"], 40, 24, 32, 16, "mid", 5, torch.device("cpu"), torch.float16)
+    inp = make_inputs(MODELS["glm-5"], 40, 24, 32, 16, "mid", 5, DEVICE, DTYPE)
     T, H = inp["q_nope"].shape[:2]
-    default = baselines.mqa_per_token_pad64(inp, torch.empty(T, H, 256, dtype=torch.float16))
     assert baselines.pad64_baseline_kind(torch.device("cpu")) == "sparse_mla:triton"
+    monkeypatch.setattr(baselines, "_flash_mla_module", lambda: None)  # as without flash_mla, whatever is installed
+    assert baselines.pad64_baseline_kind(DEVICE).startswith("sparse_mla:")
+    default = baselines.mqa_per_token_pad64(inp, torch.empty(T, H, 256, dtype=DTYPE, device=DEVICE))
     monkeypatch.setattr(baselines, "_flash_mla_module", lambda: types.SimpleNamespace(flash_mla_sparse_fwd=fake_fwd))
     monkeypatch.setattr(baselines, "pad64_baseline_kind", lambda device: "flash_mla")
-    flash = baselines.mqa_per_token_pad64(inp, torch.empty(T, H, 256, dtype=torch.float16))
+    flash = baselines.mqa_per_token_pad64(inp, torch.empty(T, H, 256, dtype=DTYPE, device=DEVICE))
     assert calls == [((T, 64, 576), (64, 1, 576), (T, 1, 32))]
-    torch.testing.assert_close(flash, default, atol=2e-3, rtol=2e-3)
+    assert_rows_close(flash, default, DTYPE, "pad64 through the flash_mla stand-in", LAYER_ROW_TOLERANCE)

@@ -39,6 +39,7 @@ from lib import (
 
 from sparse_mla import dsa_prefill, dsa_prefill_ref, sparse_mla_fwd, sparse_mla_ref
 from sparse_mla.kv_format import FP8_DS_MLA, check_kv_format
+from sparse_mla.layer.config import validate_dsa_prefill_args
 
 FMT = FP8_DS_MLA
 FP8 = "fp8_ds_mla"
@@ -446,6 +447,51 @@ def test_nonfinite_scale_reaches_only_the_selecting_query_and_check_names_it():
     assert_matches_reference(out[1:], lse[1:], ref_out, ref_lse, DTYPE)
     with pytest.raises(ValueError, match=rf"kv rows \[{N - 1}\] hold NaN or inf .* indices\[0, 3\]"):
         sparse_mla_fwd(q, cache, idx, 0.07, kv_format=FP8, check=True)
+
+
+def _overflowing_fp16_row(N: int, row: int, *, seed: int) -> torch.Tensor:
+    """An FP8 cache [N, 656] quantized from finite fp16 rows, row ``row`` holding 65504 (the largest fp16): its
+    tile scale is 256 and the value's e4m3 code 256, so it dequantizes to 65536, inf in fp16 and finite in bf16 /
+    fp32."""
+    kv = (torch.randn(N, 576, generator=torch.Generator().manual_seed(seed)) / 4).half()
+    kv[row, 5] = 65504.0
+    cache = FMT.quantize(kv.to(DEVICE))
+    assert FMT.scales(cache)[row, 0].item() == 256.0 and torch.isinf(FMT.dequantize(cache, torch.float16)[row, 5])
+    return cache
+
+
+def test_check_reads_an_fp8_cache_in_q_dtype():
+    """check=True looks at the selected rows as the kernel and the reference dequantize them, in q's dtype: a row
+    that overflows in fp16 makes the fp16 result NaN for the query selecting it, so check=True must name it with
+    fp16 q, and accept it with bf16 / fp32 q (finite there)."""
+    T, H, K, N = 2, 16, 8, 16
+    cache = _overflowing_fp16_row(N, 3, seed=22)
+    idx = torch.arange(T * K, dtype=torch.int32, device=DEVICE).reshape(T, K)  # disjoint: only token 0 selects row 3
+    q = torch.randn(T, H, 576, generator=torch.Generator().manual_seed(23)).half().to(DEVICE)
+    ref_out, _ = sparse_mla_ref(q, cache, idx, 0.05, kv_format=FP8)
+    assert not torch.isfinite(ref_out[0]).all() and torch.isfinite(ref_out[1]).all()  # what an unchecked fp16 call gives
+    match = r"kv rows \[3\] hold NaN or inf .*indices\[0, 3\]"
+    for method in ("per_token", "grouped"):
+        with pytest.raises(ValueError, match=match):
+            sparse_mla_fwd(q, cache, idx, 0.05, kv_format=FP8, method=method, check=True)
+    with pytest.raises(ValueError, match=match):
+        sparse_mla_ref(q, cache, idx, 0.05, kv_format=FP8, check=True)
+    for dtype in (torch.bfloat16, torch.float32):
+        out, lse = sparse_mla_ref(q.to(dtype), cache, idx, 0.05, kv_format=FP8, check=True)
+        assert torch.isfinite(out).all() and torch.isfinite(lse).all(), dtype
+
+
+def test_dsa_prefill_check_reads_an_fp8_cache_in_q_dtype():
+    """The layer's check=True on an FP8 cache: a window row that overflows in fp16 is named with fp16 q and
+    accepted with bf16 q (the paths dequantize to q's dtype)."""
+    inp = _layer_inputs(34)
+    inp["kv"] = _overflowing_fp16_row(40, 24, seed=35)  # row 24: inside request 0's window
+    for name in ("q_nope", "q_pe", "w_kv_b"):
+        inp[name] = inp[name].half()
+    with pytest.raises(ValueError, match=r"cache rows \[24\]"):
+        dsa_prefill(**inp, check=True)
+    bf16 = {**inp, **{name: inp[name].to(torch.bfloat16) for name in ("q_nope", "q_pe", "w_kv_b")}}
+    validate_dsa_prefill_args(**bf16, check=True)
 
 
 def test_interpreter_and_hardware_convert_every_finite_e4m3_code():

@@ -82,6 +82,26 @@ def test_reference_default_return_is_unchanged():
     assert isinstance(res, tuple) and len(res) == 2
 
 
+@pytest.mark.parametrize("kv_format", [None, "fp8_ds_mla"])
+def test_empty_cache_gives_zero_out_and_minus_inf_lse(kv_format):
+    """N = 0 (every index padding): the reference gives out 0, lse -inf, max_logits -inf for every query, as
+    the kernels do (per token and grouped)."""
+    from sparse_mla.kv_format import FP8_DS_MLA
+
+    T, H = 5, 16
+    q = torch.randn(T, H, 576, generator=torch.Generator().manual_seed(3)).to(DTYPE).to(DEVICE)
+    kv = torch.empty(0, 576, dtype=DTYPE, device=DEVICE)
+    if kv_format is not None:
+        kv = FP8_DS_MLA.quantize(kv)
+    idx = torch.tensor([-1, INT_MIN, 0, INT_MAX, 7, -2, 1, -1], dtype=torch.int32, device=DEVICE).repeat(T, 1)
+    out, lse, mx = sparse_mla_ref(q, kv, idx, 0.1, return_max_logits=True, kv_format=kv_format)
+    assert out.shape == (T, H, 512) and torch.all(out == 0)
+    assert torch.all(lse == -INF) and torch.all(mx == -INF)
+    for method in ("per_token", "grouped"):
+        o, l_ = sparse_mla_fwd(q, kv, idx, 0.1, return_lse=True, method=method, kv_format=kv_format)
+        assert torch.all(o == 0) and torch.all(l_ == -INF), method
+
+
 @pytest.mark.parametrize("bad", [float("nan"), INF, -INF])
 def test_unselected_non_finite_rows_change_nothing(bad):
     """kv rows that no query selects (row 0 included, rows only past topk_length, rows behind invalid

@@ -1,32 +1,50 @@
 """ShardQ (token-sharded sparse MLA across TP ranks), its zigzag split, and its benchmark.
 
 Multi-process tests spawn W ranks (file rendezvous in tmp_path); each rank holds the TP head shard
-of q, calls ``shardq_sparse_mla_fwd`` and the gathered head shards are compared with one process
-running ``sparse_mla_fwd`` on all heads and with the fp32 ``sparse_mla_ref``. Two backends
+of q, calls ``shardq_sparse_mla_fwd`` and compares its shard with the fp32 ``sparse_mla_ref`` (the
+per-row tolerance of tests/lib.py); the gathered shards are compared, within the same tolerance, with
+one process running ``sparse_mla_fwd`` on all heads. Not bitwise: a rank runs the kernel on other head
+or row counts than the single process (the TP path: H / W heads), and the CPU's BLAS, like cuBLAS, may
+round a product of one shape differently from one of another. Two backends
 (``BACKENDS``): gloo on the CPU, the Triton kernels through the interpreter in fp16
 (TRITON_INTERPRET=1 is put in the environment the workers inherit, before they import any
 kernel), run everywhere; NCCL with one GPU per rank in bf16, compiled kernels (the workers must
 not inherit TRITON_INTERPRET=1), run where torch.cuda.device_count() >= 2.
 
 One spawn per world size runs the case table (starting W interpreters costs seconds; W = 4 runs
-the cases where the world size matters); a failure names the case and the rank. One more gloo
-spawn runs ``sparse_mla.bench.shardq.run_shardq_bench`` on a tiny model point.
+the cases where the world size matters). A failing rank records its case and traceback in a file the
+test reports (``_spawn``), so a peer's "connection closed" cannot hide it; a spawn that scales one
+row of one rank's attention output by 1.01 must fail the comparisons. One more gloo spawn runs
+``sparse_mla.bench.shardq.run_shardq_bench`` on a tiny model point.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
 import os
 import time
+import traceback
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from lib import DEVICE, DTYPE, INT_MAX, INT_MIN, TOLERANCE, assert_matches_reference, assert_same_result, make_problem
+from lib import (
+    DEVICE,
+    DTYPE,
+    INT_MAX,
+    INT_MIN,
+    TOLERANCE,
+    assert_matches_reference,
+    assert_same_result,
+    cpu_only,
+    make_problem,
+)
 
 from sparse_mla.bench.shardq import VARIANTS, plot_shardq, print_shardq_table, run_shardq_bench
 from sparse_mla.distributed import (
@@ -60,7 +78,7 @@ NCCL = Backend("nccl", torch.bfloat16, False)
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL ranks need 2 CUDA GPUs (one per rank)")
 # On a GPU box the NCCL variant runs the compiled kernels; the gloo variants run the interpreter,
 # which Triton 3.6 (the H200 image) cannot run on sparse_mqa's runtime loop bounds: CPU CI covers them.
-cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="gloo + Triton interpreter variant: runs on CPU machines")
+gloo_only = cpu_only("gloo ranks running the Triton interpreter")
 
 # ---------------------------------------------------------------------------------------------
 # zigzag_partition
@@ -210,9 +228,16 @@ WORKER_CASES = [
 ]
 
 
-def _spy(calls: list):
+# A wrong result to inject: (rank, row, head) of the attention output [rows, heads, d_v] that rank's attn_fn
+# scales by WRONG_ROW_FACTOR after computing it (tests that the comparisons catch one wrong row).
+WrongRow = tuple[int, int, int]
+WRONG_ROW_FACTOR = 1.01
+
+
+def _spy(calls: list, rank: int = 0, wrong_row: WrongRow | None = None):
     """attn_fn that records what it was handed, poisons the output buffers it must write with NaN,
-    then runs sparse_mla_fwd into them."""
+    then runs sparse_mla_fwd into them; on rank ``wrong_row[0]`` it then scales output row
+    ``wrong_row[1:]`` by WRONG_ROW_FACTOR."""
     from sparse_mla.interface import sparse_mla_fwd
 
     def attn_fn(q, kv, indices, sm_scale, **kwargs):
@@ -221,7 +246,10 @@ def _spy(calls: list):
         kwargs["out"].fill_(float("nan"))
         if kwargs["lse"] is not None:
             kwargs["lse"].fill_(float("nan"))
-        return sparse_mla_fwd(q, kv, indices, sm_scale, **kwargs)
+        res = sparse_mla_fwd(q, kv, indices, sm_scale, **kwargs)
+        if wrong_row is not None and wrong_row[0] == rank:
+            kwargs["out"][wrong_row[1:]] *= WRONG_ROW_FACTOR
+        return res
 
     return attn_fn
 
@@ -245,7 +273,9 @@ def _assert_groups_below_overlap_guard(indices: torch.Tensor, topk_length: torch
         assert union <= overlap_guard_ratio(G) * max(mean, 1.0), f"group at row {g0}: union {union}, mean list {mean}"
 
 
-def _run_case(case: Case, rank: int, W: int, backend: Backend) -> None:
+def _run_case(case: Case, rank: int, W: int, backend: Backend, wrong_row: WrongRow | None = None) -> None:
+    """One case on this rank: every collective first (ShardQ, the gathers), then the checks, so a failing
+    check leaves no peer inside a collective. ``wrong_row``: see ``_spy``."""
     from sparse_mla.interface import sparse_mla_fwd
 
     dtype, dev = backend.dtype, backend.device(rank)
@@ -259,7 +289,7 @@ def _run_case(case: Case, rank: int, W: int, backend: Backend) -> None:
     calls, timings, info = [], {}, {}
     res = shardq_sparse_mla_fwd(
         q_local, kv, indices, scale, topk_length=topk_length, return_lse=case.return_lse, method=case.method,
-        min_tokens=case.min_tokens, num_real_tokens=n if case.pad_rows else None, attn_fn=_spy(calls),
+        min_tokens=case.min_tokens, num_real_tokens=n if case.pad_rows else None, attn_fn=_spy(calls, rank, wrong_row),
         out=out, lse=lse, timings=timings, info=info,
     )
     if case.return_lse:
@@ -308,17 +338,14 @@ def _run_case(case: Case, rank: int, W: int, backend: Backend) -> None:
                                       topk_length=None if topk_length is None else topk_length[:n])
     assert_matches_reference(out[:n], lse[:n] if case.return_lse else None, ref_out, ref_lse, dtype)
 
-    # All shards against one process running every head.
+    # All shards against one process running every head: the same attention per (token, head) row, each
+    # row within the row tolerance of the other (not bitwise: the TP path runs H / W heads per call, the
+    # grouped method other groups, and a kernel on other head or row counts may round differently).
     if rank == 0:
         single = sparse_mla_fwd(q[:n], kv, indices[:n], scale, topk_length=None if topk_length is None else topk_length[:n],
                                 return_lse=True, method=case.method)
-        if case.method == "per_token":  # same tile per query either way: bitwise equal
-            assert torch.equal(full_out[:n], single[0]), f"max diff {(full_out[:n].float() - single[0].float()).abs().max()}"
-            if case.return_lse:
-                assert torch.equal(full_lse[:n], single[1])
-        else:  # different groups, same per-query result up to fp32 summation order
-            assert_same_result(full_out[:n], full_lse[:n] if case.return_lse else None, single[0],
-                               single[1] if case.return_lse else None, dtype)
+        assert_same_result(full_out[:n], full_lse[:n] if case.return_lse else None, single[0],
+                           single[1] if case.return_lse else None, dtype)
         full_ref, full_ref_lse = sparse_mla_ref(q[:n], kv, indices[:n], scale,
                                                 topk_length=None if topk_length is None else topk_length[:n])
         assert_matches_reference(full_out[:n], full_lse[:n] if case.return_lse else None, full_ref, full_ref_lse,
@@ -363,37 +390,86 @@ def _check_bad_input(rank: int, W: int, backend: Backend) -> None:
     dist.barrier()  # every rank got here without a collective in between
 
 
+@contextlib.contextmanager
+def case_named(case_id: str, rank: int, W: int, backend: Backend):
+    """Re-raise a failure inside the block as an AssertionError naming the case, the rank and the backend."""
+    try:
+        yield
+    except Exception as e:
+        raise AssertionError(f"case {case_id!r} failed on rank {rank} of {W} ({backend.name}): {e}") from e
+
+
 def _run_cases(rank: int, W: int, backend: Backend, case_ids: list[str], check_bad_input: bool) -> None:
     if check_bad_input:
         _check_bad_input(rank, W, backend)
     for case in WORKER_CASES:
         if case.id in case_ids:
-            try:
+            with case_named(case.id, rank, W, backend):
                 _run_case(case, rank, W, backend)
-            except Exception as e:
-                raise AssertionError(f"case {case.id!r} failed on rank {rank} of {W} ({backend.name}): {e}") from e
 
 
-def _worker(rank: int, world_size: int, init_file: str, backend: Backend, task, task_args: tuple) -> None:
-    """One spawned rank: joins the group (file rendezvous), runs ``task(rank, W, backend, *task_args)``."""
-    # The kernels read TRITON_INTERPRET when first imported; this process has imported none yet.
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    assert interpreted == backend.interpret, f"{backend.name} workers must {'' if backend.interpret else 'not '}" \
-        "inherit TRITON_INTERPRET=1"
-    torch.set_num_threads(1)
-    if not backend.interpret:
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend.name, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=120))
+def expect_detected(W: int, case_id: str, run, *args) -> None:
+    """Run ``run(*args)`` (a case with a wrong row injected, its collectives before its checks) on every rank:
+    some rank's checks must fail (AssertionError); the ranks then agree (a collective) and each raises if none
+    did."""
     try:
+        run(*args)
+        caught = False
+    except AssertionError:
+        caught = True
+    seen = [None] * W
+    dist.all_gather_object(seen, caught)
+    assert any(seen), f"case {case_id!r}: one row scaled by {WRONG_ROW_FACTOR} went undetected on all {W} ranks"
+
+
+def _run_cases_with_a_wrong_row(rank: int, W: int, backend: Backend, wrong_rows: dict[str, WrongRow]) -> None:
+    for case in WORKER_CASES:
+        if case.id in wrong_rows:
+            expect_detected(W, case.id, _run_case, case, rank, W, backend, wrong_rows[case.id])
+
+
+def _worker(rank: int, world_size: int, init_file: str, backend: Backend, task, task_args: tuple, error_dir: str) -> None:
+    """One spawned rank: joins the group (file rendezvous), runs ``task(rank, W, backend, *task_args)``. On an
+    exception it writes ``error_dir/rank<r>.json`` (time, traceback) before leaving the group (which makes the
+    peers' collectives fail, later) and re-raising, for ``_spawn``'s report."""
+    try:
+        # The kernels read TRITON_INTERPRET when first imported; this process has imported none yet.
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        assert interpreted == backend.interpret, f"{backend.name} workers must {'' if backend.interpret else 'not '}" \
+            "inherit TRITON_INTERPRET=1"
+        torch.set_num_threads(1)
+        if not backend.interpret:
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend.name, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=120))
         task(rank, world_size, backend, *task_args)
+    except BaseException:
+        record = {"rank": rank, "time": time.time(), "traceback": traceback.format_exc()}
+        (Path(error_dir) / f"rank{rank}.json").write_text(json.dumps(record))
+        raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def rank_failures(error_dir: Path, world_size: int) -> str:
+    """The failures the ranks recorded (``_worker``), the first to fail first, in full (a peer that failed
+    later, e.g. on a connection its failed peer closed, shows its last lines); "" when none was recorded."""
+    records = sorted((json.loads(f.read_text()) for f in error_dir.glob("rank*.json")), key=lambda r: r["time"])
+    if not records:
+        return ""
+    first = records[0]
+    parts = [f"rank {first['rank']} of {world_size} failed first:\n{first['traceback']}"]
+    for r in records[1:]:
+        tail = "\n".join(r["traceback"].rstrip().splitlines()[-6:])
+        parts.append(f"rank {r['rank']} failed {r['time'] - first['time']:.2f} s later (last lines):\n{tail}")
+    return "\n".join(parts)
 
 
 def _spawn(monkeypatch, tmp_path, world_size: int, backend: Backend, task, *task_args, timeout_s: float = 240.0) -> None:
-    """Run ``task`` on ``world_size`` spawned ranks of ``backend``; a worker's exception fails the test
-    with its traceback, a hang fails it after ``timeout_s``."""
+    """Run ``task`` on ``world_size`` spawned ranks of ``backend``. A rank's exception fails the test with the
+    ranks' recorded failures (``rank_failures``: the first failing rank's traceback, with its case name, first),
+    a hang fails it after ``timeout_s``."""
     if backend.interpret:
         monkeypatch.setenv("TRITON_INTERPRET", "1")  # inherited by the spawned workers
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # W processes share few cores
@@ -401,29 +477,51 @@ def _spawn(monkeypatch, tmp_path, world_size: int, backend: Backend, task, *task
     else:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # compiled kernels on the GPUs
         monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off
-    ctx = mp.start_processes(_worker, args=(world_size, str(tmp_path / "rendezvous"), backend, task, task_args),
-                             nprocs=world_size, join=False, start_method="spawn")
+    error_dir = tmp_path / "rank_errors"
+    error_dir.mkdir()
+    ctx = mp.start_processes(_worker, args=(world_size, str(tmp_path / "rendezvous"), backend, task, task_args,
+                                            str(error_dir)), nprocs=world_size, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=1.0):  # raises ProcessRaisedException with the worker's traceback
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                if proc.is_alive():
-                    proc.terminate()
-            pytest.fail(f"{task.__name__} on W = {world_size} {backend.name} ranks did not finish within {timeout_s} s "
-                        "(a collective hung?)")
+    try:
+        while not ctx.join(timeout=1.0):  # raises once a rank failed, after stopping the others
+            if time.monotonic() > deadline:
+                for proc in ctx.processes:
+                    if proc.is_alive():
+                        proc.terminate()
+                pytest.fail(f"{task.__name__} on W = {world_size} {backend.name} ranks did not finish within {timeout_s} s "
+                            f"(a collective hung?)\n{rank_failures(error_dir, world_size)}", pytrace=False)
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        pytest.fail(f"{task.__name__} on W = {world_size} {backend.name} ranks: "
+                    f"{rank_failures(error_dir, world_size) or e}", pytrace=False)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend,world_size", [
-    pytest.param(GLOO, 2, marks=cpu_only),
-    pytest.param(GLOO, 4, marks=cpu_only),
+    pytest.param(GLOO, 2, marks=gloo_only),
+    pytest.param(GLOO, 4, marks=gloo_only),
     pytest.param(NCCL, 2, marks=[pytest.mark.gpu, needs_two_gpus]),
 ], ids=["gloo-W2", "gloo-W4", "nccl-W2"])
 def test_shardq_matches_single_process_and_reference(backend, world_size, tmp_path, monkeypatch):
-    """Every WORKER_CASES case on W ranks: path choice, exact exchange, padding rows, reference per
-    rank (the backend's dtype tolerance), bitwise equality with one process on all heads (per_token)."""
+    """Every WORKER_CASES case on W ranks: path choice, exact exchange (the q rows and index rows each
+    rank's attention gets are copies, compared bitwise), padding rows, each rank's shard against the fp32
+    reference and the gathered shards against one process on all heads (per-row tolerance of the backend's
+    dtype)."""
     _spawn(monkeypatch, tmp_path, world_size, backend, _run_cases,
            [c.id for c in WORKER_CASES if world_size in c.world_sizes], world_size == 2)
+
+
+# One (rank, row, head) of a rank's attention output per case: a ShardQ row (all heads of rank 1's rows), a row
+# of the TP path (rank 0's heads) and a grouped one; each row's query has valid rows (its output is not 0).
+WRONG_ROWS: dict[str, WrongRow] = {"one_request_odd_T": (1, 2, 5), "below_min_tokens_runs_tp": (0, 4, 3),
+                                   "grouped_token_major_across_requests": (1, 1, 9)}
+
+
+@pytest.mark.slow
+@gloo_only
+def test_shardq_comparisons_catch_one_wrong_row(tmp_path, monkeypatch):
+    """The comparisons of test_shardq_matches_single_process_and_reference fail when one row of one rank's
+    attention output is scaled by 1.01 (the per-row tolerance is 3 fp16 ulps, 1.5e-3)."""
+    _spawn(monkeypatch, tmp_path, 2, GLOO, _run_cases_with_a_wrong_row, WRONG_ROWS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -445,7 +543,7 @@ def _bench_task(rank: int, W: int, backend: Backend, out_file: str) -> None:
 
 
 @pytest.mark.slow
-@cpu_only
+@gloo_only
 def test_run_shardq_bench_on_gloo_ranks(tmp_path, monkeypatch, capsys):
     """run_shardq_bench on 2 gloo ranks: every variant timed and checked, rows / summary / meta
     complete; the table and the plot render from the rows."""

@@ -66,7 +66,8 @@ meta = torch.device("meta")
 # (mutation of the valid arguments, expected error, regex the message must match)
 CASES = [
     # not a tensor
-    pytest.param(_set("q", lambda a: a["q"].cpu().numpy()), TypeError, r"\bq\b", id="q-not-a-tensor"),
+    # a NumPy array (shape and dtype attributes, no tensor); float32 first, since NumPy has no bf16
+    pytest.param(_set("q", lambda a: a["q"].float().cpu().numpy()), TypeError, r"\bq\b", id="q-not-a-tensor"),
     pytest.param(_set("kv", lambda a: a["kv"].tolist()), TypeError, r"\bkv\b", id="kv-not-a-tensor"),
     pytest.param(_set("indices", lambda a: a["indices"].tolist()), TypeError, r"\bindices\b", id="indices-not-a-tensor"),
     pytest.param(_set("topk_length", lambda a: [K] * T), TypeError, "topk_length", id="topk_length-not-a-tensor"),
@@ -158,6 +159,8 @@ CHECKED_CASES = [
     pytest.param(lambda a: {**a, "kv": _poison_row(_poison_row(a["kv"], int(a["indices"][0, 0]), -math.inf),
                                                    int(a["indices"][2, 3]), math.inf)},
                  r"kv rows \[\d+, \d+\] hold NaN or inf.*Non-finite kv rows", id="inf-in-two-selected-rows"),
+    pytest.param(lambda a: {**a, "attn_sink": torch.tensor([0.5, math.nan], device=DEVICE)},
+                 r"attn_sink\[1\] is NaN .*check=True", id="nan-attn_sink"),
 ]
 
 
@@ -206,6 +209,20 @@ def test_checked_mode_accepts_nonfinite_rows_no_query_selects(no_launch):
     kv[unselected[-1], :3] = math.inf
     with pytest.raises(AssertionError, match="kernel was launched"):
         _call({**a, "kv": kv}, check=True, method="per_token")
+
+
+def test_checked_mode_accepts_infinite_sinks_and_reference_refuses_nan(no_launch):
+    """-inf (no sink) and +inf (out 0) are defined sink values: check=True passes them to the kernel (the
+    patched launchers then fail the test, proving no raise); the reference's check=True refuses a NaN as
+    sparse_mla_fwd's does, and without check the reference computes NaN for that head only."""
+    a = _args()
+    with pytest.raises(AssertionError, match="kernel was launched"):
+        _call({**a, "attn_sink": torch.tensor([-math.inf, math.inf], device=DEVICE)}, check=True, method="per_token")
+    nan_sink = torch.tensor([0.5, math.nan], device=DEVICE)
+    with pytest.raises(ValueError, match=r"attn_sink\[1\] is NaN"):
+        sparse_mla_ref(**a, attn_sink=nan_sink, check=True)
+    out, _ = sparse_mla_ref(**a, attn_sink=nan_sink)
+    assert torch.isfinite(out[:, 0]).all() and out[:, 1].isnan().all()
 
 
 @pytest.mark.parametrize("make, error, match", [

@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ap.error(f"--variants: unknown {sorted(only - set(VARIANTS))}; the rows are {', '.join(VARIANTS)}")
     import triton
 
-    from .report import git_revision
+    from .report import git_revision, package_version
 
     device = torch.device("cuda" if on_gpu else "cpu")
     dtype = torch.bfloat16 if on_gpu else torch.float16
@@ -230,7 +230,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         rows += run_case("grouped", H, a.tokens, a.topk, a.rows, dtype=dtype, device=device, trials=a.trials,
                          scale_format=a.scale_format, sweep=a.sweep_configs, only=only)
     meta = dict(command=" ".join(["python -m sparse_mla.bench.kv_fp8", *(argv if argv is not None else sys.argv[1:])]),
-                git_revision=git_revision(), gpu=torch.cuda.get_device_name() if on_gpu else "none (CPU, Triton interpreter)",
+                git_revision=git_revision(), sparse_mla_version=package_version(),
+                gpu=torch.cuda.get_device_name() if on_gpu else "none (CPU, Triton interpreter)",
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__,
                 triton=triton.__version__, dtype=str(dtype), scale_format=a.scale_format, timings_meaningful=on_gpu)
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)

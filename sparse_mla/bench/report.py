@@ -60,18 +60,39 @@ def path_columns(rows: list[dict]) -> tuple[str, ...]:
     return (*PATH_COLUMNS, *extra)
 
 
-def git_revision() -> str:
-    """The revision results are recorded at: $GIT_REV when set (the GPU box gets a copy of the tree
-    without .git), else ``git rev-parse HEAD`` of this checkout, else "unknown"."""
+def git_revision(package_dir: str | os.PathLike | None = None) -> str:
+    """The revision of the sparse_mla source that runs: $GIT_REV when set (the GPU box gets a copy of the tree
+    without .git), else the HEAD commit of the git work tree holding ``package_dir`` (default: the directory of
+    the imported ``sparse_mla`` package) if that tree tracks the package (its ``__init__.py``), else "unknown"
+    (an installed copy, an untracked source copy inside another repository, no git). Never the repository
+    around the working directory."""
+    if os.environ.get("GIT_REV"):
+        return os.environ["GIT_REV"]
+    if package_dir is None:
+        import sparse_mla
+
+        package_dir = os.path.dirname(os.path.abspath(sparse_mla.__file__))
+
+    def git(*args: str) -> str:
+        return subprocess.check_output(["git", *args], text=True, stderr=subprocess.DEVNULL, cwd=package_dir).strip()
+
     try:
-        return os.environ.get("GIT_REV") or subprocess.check_output(
-            ["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL, cwd=os.path.dirname(__file__)).strip()
+        git("ls-files", "--error-unmatch", "--", "__init__.py")  # fails outside a work tree or when untracked
+        return git("rev-parse", "HEAD")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
 
+def package_version() -> str:
+    """``sparse_mla.__version__`` of the imported package (recorded beside ``git_revision``)."""
+    import sparse_mla
+
+    return sparse_mla.__version__
+
+
 def provenance(interpreted: bool, trials: int) -> dict:
-    """Command, git revision, GPU, date, versions and the timing method for the JSON's meta."""
+    """Command, git revision and version of the package (``git_revision``, ``package_version``), GPU, date,
+    versions and the timing method for the JSON's meta."""
     rev = git_revision()
     import torch
     import triton
@@ -81,6 +102,7 @@ def provenance(interpreted: bool, trials: int) -> dict:
     return {
         "command": " ".join(["sparse-mla", *sys.argv[1:]]),
         "git_revision": rev,
+        "sparse_mla_version": package_version(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU, Triton interpreter)",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,

@@ -536,8 +536,8 @@ def check_window_rows_finite(p: DSAPrefillProblem, indices: torch.Tensor, select
     rows = window_row_ids(p)
     if rows.numel() == 0:
         return
-    if p.kv_format is not None:  # the FP8 cache's rows as they dequantize (kv_c and k_pe in one row)
-        bad = nonfinite_rows(p.kv_rows, rows, kv_format=p.kv_format)
+    if p.kv_format is not None:  # the FP8 cache's rows as the paths dequantize them, to q's dtype (kv_c and k_pe)
+        bad = nonfinite_rows(p.kv_rows, rows, kv_format=p.kv_format, dtype=p.q_nope.dtype)
     else:
         bad = nonfinite_rows(p.kv_c, rows)
     if p.k_pe is not None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..kv_format import KV_FORMATS
-from ..validation import validate_sparse_mla_args
+from ..validation import check_attn_sink_values, validate_sparse_mla_args
 
 
 def sparse_mla_ref(
@@ -59,10 +59,12 @@ def sparse_mla_ref(
         topk_length: optional [T] int32, only the first topk_length[t] entries of row t count.
         return_lse, method, cu_seqlens_q: accepted for signature parity; ignored (the result
             does not depend on them). The reference always returns ``(out, lse)``.
-        check: verify index ranges and distinctness (raises ValueError).
+        check: the checked mode of ``sparse_mla_fwd`` (raises ValueError): index ranges and distinctness,
+            non-finite selected kv rows, a NaN attn_sink.
         chunk_tokens: tokens evaluated at once (bounds the [chunk, K, D_qk] fp32 gather).
         attn_sink: optional [H] float32 on q's device, per-head sink logit in natural units
-            (-inf and +inf allowed; see the module docstring). Changes out only.
+            (-inf and +inf allowed; see the module docstring). Changes out only; a NaN entry makes
+            that head's out NaN for every query with a valid index (check=True raises on it).
         return_max_logits: also return max_logits [T, H] fp32 (natural units, -inf for a query
             with no valid index).
         kv_format: None (kv holds rows in q's dtype) or "fp8_ds_mla": the definition on the cache
@@ -89,7 +91,11 @@ def sparse_mla_ref(
                             f"{attn_sink.dtype if isinstance(attn_sink, torch.Tensor) else type(attn_sink).__name__}")
         if attn_sink.shape != (H,) or attn_sink.device != q.device:
             raise ValueError(f"attn_sink must be [H] = [{H}] on {q.device}, got {tuple(attn_sink.shape)} on {attn_sink.device}")
+        if check:
+            check_attn_sink_values(attn_sink)
     kv32 = p.kv.float() if p.kv_format is None else KV_FORMATS[p.kv_format].dequantize(p.kv, q.dtype).float()
+    if N == 0:  # an empty cache: every entry is padding; one zero row for the gather below, never counted
+        kv32 = kv32.new_zeros(1, kv32.shape[1])
     out = torch.empty(T, H, d_v, dtype=torch.float32, device=q.device)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     max_logits = torch.empty(T, H, dtype=torch.float32, device=q.device)
