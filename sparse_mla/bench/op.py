@@ -1,0 +1,409 @@
+"""Op-level benchmark: the attention calls an engine makes, side by side on the same tensors.
+
+Per case (``OpCase``: heads H, lists, cached + new tokens, topk, d_qk, features) one set of inputs is drawn
+(``case_inputs``) and every call below runs on it, is checked against the fp32 reference per (token, head) row on
+sampled tokens, then timed (``sparse_mla.bench.timing``: do_bench medians, L2 flushed):
+
+* ``per_token`` / ``grouped``: ``sparse_mla_fwd(method=...)`` with a preallocated workspace and outputs;
+* ``auto``: the default ``sparse_mla_fwd`` call (method "auto", no workspace: the package's own cached one);
+* ``drop_in``: ``sparse_mla.flash_mla_sparse_fwd``, FlashMLA's call (no cu_seqlens_q);
+* ``flashmla``: FlashMLA's SM90 sparse prefill (``benchmarks/flashmla/build.py``; module ``flashmla_sm90`` or a
+  ``flash_mla`` package) on q zero-padded to 64 heads when H < 64 (what Hopper engines run), on q itself at 64 /
+  128 heads; where FlashMLA is not importable, ``pad64_sparse_mla``: this package's per-token call on the padded q,
+  labelled so (``baseline_kind``). The padded q is built once, outside the timed call.
+
+Lists (``OpCase.lists``): "uniform" = the per-token protocol (query i takes ``topk`` distinct uniform rows of
+[0, cached + i]); an overlap preset of ``sparse_mla.workloads.topk`` ("high", "mid", "low", "none", "random");
+"v4:<preset>" = DeepSeek-V4.x lists (``sparse_mla.workloads.windowed``: top-``topk`` compressed rows + a 128-token
+window per query, ``topk_length`` given).
+
+Figures per call: ``ms`` (median), ``tflops`` (useful FLOPs 2 H sum(valid) (d_qk + 512) over the time),
+``floor_ms`` (of the path the call ran: per token max(useful FLOPs / 790 TFLOP/s, gathered bytes / 4.3 TB/s);
+grouped the same over the union rows at 128 pseudo-heads), ``max_row_err`` (max over sampled (token, head) rows
+of |out - ref| / |ref|), ``vs_flashmla`` (the baseline's time over this call's), and with ``host=True`` ``host_us``:
+CPU time per call of back-to-back calls while the GPU is kept busy (launch queueing cannot hide it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+MATMUL_TFLOPS = 790.0  # bf16 dense matmul measured on the H200 (docs/KERNEL-NOTES.md)
+COPY_TBPS = 4.3  # device copy measured on the H200
+PAD_HEADS = 64  # FlashMLA's sparse prefill head minimum
+CALLS = ("per_token", "grouped", "auto", "drop_in", "flashmla")
+CHECK_TOKENS = 96  # tokens sampled for the per-row check
+ROW_TOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3}  # per (token, head) row: |out - ref| / |ref|
+
+
+@dataclass(frozen=True)
+class OpCase:
+    """One op-level point. ``requests`` > 1 splits the new tokens into that many equal requests, each over its own
+    ``cached`` prefix (cu_seqlens_q given when ``cu_seqlens``)."""
+
+    heads: int
+    lists: str = "mid"
+    cached: int = 16384
+    new: int = 8192
+    topk: int = 2048
+    d_qk: int = 576
+    cu_seqlens: bool = False
+    requests: int = 1
+    sink: bool = False
+    topk_length: bool = False
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        bits = [f"H{self.heads}", self.lists, f"{self.cached}+{self.new}" if self.cached else f"{self.new}",
+                f"k{self.topk}"]
+        if self.d_qk != 576:
+            bits.append(f"d{self.d_qk}")
+        if self.requests > 1:
+            bits.append(f"B{self.requests}")
+        if self.cu_seqlens:
+            bits.append("cu")
+        if self.sink:
+            bits.append("sink")
+        if self.topk_length:
+            bits.append("len")
+        return "/".join(bits)
+
+
+def _uniform_lists(cached: int, new: int, topk: int, device, gen: torch.Generator) -> torch.Tensor:
+    """Query i takes ``topk`` distinct uniform rows of [0, cached + i] (fewer, then -1, while that range is short)."""
+    n = cached + new
+    out = torch.empty(new, topk, dtype=torch.int32, device=device)
+    step = max(1, (1 << 27) // max(n, 1))
+    for t0 in range(0, new, step):
+        t1 = min(new, t0 + step)
+        keys = torch.rand(t1 - t0, n, device=device, generator=gen)
+        limit = cached + torch.arange(t0, t1, device=device)[:, None]
+        keys = torch.where(torch.arange(n, device=device)[None, :] <= limit, keys, -1.0)
+        val, idx = keys.topk(min(topk, n), dim=1)
+        idx = torch.where(val >= 0, idx, -1).to(torch.int32)
+        out[t0:t1, : idx.shape[1]] = idx
+        out[t0:t1, idx.shape[1]:] = -1
+    return out
+
+
+def case_inputs(case: OpCase, device, dtype: torch.dtype) -> dict:
+    """q [T, H, d_qk], kv [N, d_qk], indices [T, K'] int32, topk_length, attn_sink, cu_seqlens_q, sm_scale, T, N."""
+    from ..workloads.topk import synthetic_batch
+    from ..workloads.windowed import window_topk_lists
+
+    gen = torch.Generator(device=device)
+    gen.manual_seed(case.seed)
+    per = [case.new // case.requests + (1 if b < case.new % case.requests else 0) for b in range(case.requests)]
+    topk_length = None
+    if case.lists == "uniform":
+        parts, off = [], 0
+        for n in per:
+            idx = _uniform_lists(case.cached, n, case.topk, device, gen)
+            parts.append(torch.where(idx >= 0, idx + off, -1))
+            off += case.cached + n
+        indices, N = torch.cat(parts), off
+    elif case.lists.startswith("v4:"):
+        parts, lens, off = [], [], 0
+        for b, n in enumerate(per):
+            idx, ln, rows = window_topk_lists(case.cached, n, case.topk, 128, case.lists[3:], seed=case.seed + b,
+                                              device=device)
+            parts.append(torch.where(idx >= 0, idx + off, -1))
+            lens.append(ln)
+            off += rows
+        indices, N, topk_length = torch.cat(parts), off, torch.cat(lens)
+    else:
+        batch = synthetic_batch([case.cached] * case.requests, per, case.topk, case.lists, seed=case.seed, device=device)
+        indices, N = batch.indices, batch.num_kv_rows
+        if case.topk_length:
+            topk_length = batch.valid
+    if case.topk_length and topk_length is None:
+        topk_length = (indices >= 0).sum(1).to(torch.int32)
+    T = indices.shape[0]
+    q = torch.randn(T, case.heads, case.d_qk, device=device, generator=gen).to(dtype)
+    kv = torch.randn(N, case.d_qk, device=device, generator=gen).to(dtype)
+    sink = torch.randn(case.heads, device=device, generator=gen) if case.sink else None
+    cu = None
+    if case.cu_seqlens:
+        cu = torch.tensor([0, *torch.tensor(per).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return dict(q=q, kv=kv, indices=indices, topk_length=topk_length, attn_sink=sink, cu_seqlens_q=cu,
+                sm_scale=case.d_qk ** -0.5, T=T, N=N)
+
+
+def flashmla_module():
+    """FlashMLA's SM90 sparse prefill when importable: the ``flashmla_sm90`` extension that
+    ``benchmarks/flashmla/build.py`` builds, else a ``flash_mla`` package; None otherwise."""
+    try:
+        import flashmla_sm90
+
+        return flashmla_sm90.sparse_prefill_fwd
+    except ImportError:
+        pass
+    try:
+        import flash_mla
+
+        return flash_mla.flash_mla_sparse_fwd
+    except ImportError:
+        return None
+
+
+def baseline_kind(device) -> str:
+    """"flashmla" (FlashMLA importable on a Hopper GPU) or "pad64_sparse_mla" (this package's per-token call)."""
+    dev = torch.device(device)
+    ok = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] == 9 and flashmla_module() is not None
+    return "flashmla" if ok else "pad64_sparse_mla"
+
+
+def useful_flops(inp: dict, heads: int, d_qk: int) -> float:
+    """2 H sum over queries of the valid rows (d_qk + 512)."""
+    return 2.0 * heads * float(_valid_rows(inp).sum()) * (d_qk + 512)
+
+
+def _valid_rows(inp: dict) -> torch.Tensor:
+    idx = inp["indices"]
+    v = (idx >= 0) & (idx < inp["N"])
+    if inp["topk_length"] is not None:
+        v &= torch.arange(idx.shape[1], device=idx.device)[None, :] < inp["topk_length"][:, None].long()
+    return v.sum(1)
+
+
+def floors(inp: dict, heads: int, d_qk: int, union_rows: int | None) -> dict:
+    """Floors (ms) of the per-token and the grouped path: max(compute at MATMUL_TFLOPS, gather at COPY_TBPS)."""
+    rows = float(_valid_rows(inp).sum())
+    per_token = max(useful_flops(inp, heads, d_qk) / MATMUL_TFLOPS / 1e9, rows * d_qk * 2 / COPY_TBPS / 1e9)
+    out = {"per_token": per_token}
+    if union_rows is not None:
+        out["grouped"] = max(2.0 * 128 * union_rows * (d_qk + 512) / MATMUL_TFLOPS / 1e9,
+                             union_rows * d_qk * 2 / COPY_TBPS / 1e9)
+    return out
+
+
+def union_figures(inp: dict, heads: int) -> dict:
+    """Union ratio (union rows / mean valid rows per query, over groups of 128 // H token-major queries)."""
+    from .. import build_group_union, default_group_size
+
+    G = default_group_size(heads)
+    if G < 2:
+        return {"group_size": G, "union_rows": None, "union_ratio": None}
+    u = build_group_union(inp["indices"], G, topk_length=inp["topk_length"], num_kv_rows=inp["N"])
+    rows = int(u.lengths.sum())
+    per_q = float(_valid_rows(inp).float().mean())
+    n_groups = u.lengths.numel()
+    return {"group_size": G, "union_rows": rows, "union_ratio": rows / max(n_groups, 1) / max(per_q, 1.0)}
+
+
+def make_calls(case: OpCase, inp: dict) -> dict:
+    """name -> (zero-argument callable returning out [T, H, 512], path it runs)."""
+    from .. import SparseMLAWorkspace, flash_mla_sparse_fwd, sparse_mla_fwd
+
+    q, kv, idx = inp["q"], inp["kv"], inp["indices"]
+    T, H, _ = q.shape
+    common = dict(topk_length=inp["topk_length"], attn_sink=inp["attn_sink"], cu_seqlens_q=inp["cu_seqlens_q"])
+    out_pt = torch.full((T, H, 512), math.nan, dtype=q.dtype, device=q.device)  # poisoned: unwritten rows fail the check
+    out_g = out_pt.clone()
+    ws = SparseMLAWorkspace.for_problem(max(T, 1), idx.shape[1], H, inp["N"], q.device)
+    calls = {
+        "per_token": lambda: sparse_mla_fwd(q, kv, idx, inp["sm_scale"], method="per_token", out=out_pt, **common),
+        "grouped": lambda: sparse_mla_fwd(q, kv, idx, inp["sm_scale"], method="grouped", workspace=ws, out=out_g,
+                                          **common),
+        "auto": lambda: sparse_mla_fwd(q, kv, idx, inp["sm_scale"], **common),
+        "drop_in": lambda: flash_mla_sparse_fwd(q, kv[:, None], idx[:, None], inp["sm_scale"], d_v=512,
+                                                attn_sink=inp["attn_sink"], topk_length=inp["topk_length"])[0],
+    }
+    if H > 64:
+        calls.pop("grouped")
+    heads = PAD_HEADS if H <= PAD_HEADS else 128  # FlashMLA's SM90 kernel takes 64 or 128 heads
+    qp = torch.zeros(T, heads, q.shape[2], dtype=q.dtype, device=q.device)
+    qp[:, :H] = q
+    sinkp = None
+    if inp["attn_sink"] is not None:
+        sinkp = torch.full((heads,), -math.inf, device=q.device)
+        sinkp[:H] = inp["attn_sink"]
+    fm = flashmla_module() if baseline_kind(q.device) == "flashmla" else None
+    if fm is not None:
+        kv3, idx3 = kv[:, None], idx[:, None]
+        calls["flashmla"] = lambda: fm(qp, kv3, idx3, inp["sm_scale"], 512, sinkp, inp["topk_length"])[0][:, :H]
+    else:
+        outp = torch.full((T, heads, 512), math.nan, dtype=q.dtype, device=q.device)
+        calls["flashmla"] = lambda: sparse_mla_fwd(qp, kv, idx, inp["sm_scale"], method="per_token", out=outp,
+                                                   topk_length=inp["topk_length"], attn_sink=sinkp)[:, :H]
+    return calls
+
+
+def check_rows(out: torch.Tensor, inp: dict, sample: torch.Tensor) -> float:
+    """max over the sampled tokens' (token, head) rows of |out - ref| / max(|ref|, tiny) against the fp32 reference."""
+    from .. import sparse_mla_ref
+
+    idx = inp["indices"][sample]
+    tl = None if inp["topk_length"] is None else inp["topk_length"][sample]
+    ref, _ = sparse_mla_ref(inp["q"][sample], inp["kv"], idx, inp["sm_scale"], topk_length=tl, attn_sink=inp["attn_sink"])
+    o = out[sample].float()
+    if not torch.isfinite(o).all():
+        return math.inf
+    num = (o - ref).norm(dim=-1)
+    den = ref.norm(dim=-1).clamp_min(1e-6)
+    ok_zero = (ref.norm(dim=-1) == 0) & (o.norm(dim=-1) == 0)
+    return float(torch.where(ok_zero, 0.0, num / den).max())
+
+
+def host_time_us(fn, calls: int = 200) -> float:
+    """CPU microseconds per call of ``calls`` back-to-back calls while the GPU is kept busy by a sleep kernel queued
+    first (so the calls' host work is what is measured, not the queue)."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(2e9))  # ~1 s of GPU cycles ahead of the calls
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def run_case(case: OpCase, *, calls: tuple[str, ...] = CALLS, trials: int = 1, host: bool = False,
+             device: str = "cuda", dtype: torch.dtype = torch.bfloat16, rep_ms: int = 50) -> dict:
+    """Inputs, check, timings of one case; returns its JSON row."""
+    from .timing import time_trials
+
+    on_gpu = torch.device(device).type == "cuda"
+    inp = case_inputs(case, device, dtype)
+    T = inp["T"]
+    uf = union_figures(inp, case.heads)
+    fl = floors(inp, case.heads, case.d_qk, uf["union_rows"])
+    flops = useful_flops(inp, case.heads, case.d_qk)
+    sample = torch.linspace(0, T - 1, min(CHECK_TOKENS, T), device=device).round().long().unique()
+    row = {"case": case.name, **asdict(case), "tokens": T, "kv_rows": inp["N"], "useful_tflop": flops / 1e12,
+           "baseline": baseline_kind(device), **uf, "floor_ms": fl, "calls": {}}
+    fns = make_calls(case, inp)
+    for name in calls:
+        if name not in fns:
+            continue
+        fn = fns[name]
+        rec: dict = {}
+        try:
+            out = fn()
+            rec["max_row_err"] = check_rows(out, inp, sample)
+            rec["ok"] = rec["max_row_err"] <= ROW_TOL[dtype]
+            t = time_trials(fn, on_gpu=on_gpu, trials=trials, rep_ms=rep_ms)
+            rec.update(ms=t["ms"], p20_ms=t["p20_ms"], p80_ms=t["p80_ms"], trials_ms=t["trials_ms"])
+            rec["tflops"] = flops / (t["ms"] * 1e-3) / 1e12
+            if host and on_gpu:
+                rec["host_us"] = host_time_us(fn)
+        except Exception as exc:  # recorded, not hidden: a failing call is a row with its error
+            rec["error"] = f"{type(exc).__name__}: {exc}"
+        row["calls"][name] = rec
+    base = row["calls"].get("flashmla", {}).get("ms")
+    for rec in row["calls"].values():
+        if base and rec.get("ms"):
+            rec["vs_flashmla"] = base / rec["ms"]
+    row["explain"] = explain_call(case, inp)
+    return row
+
+
+def explain_call(case: OpCase, inp: dict) -> str:
+    """What the default call decided for this case (``sparse_mla.mqa.selection``) and why."""
+    try:
+        from ..mqa.selection import explain_method
+    except ImportError:
+        return ""
+    return explain_method(inp["q"], inp["indices"], cu_seqlens_q=inp["cu_seqlens_q"])
+
+
+# ------------------------------------------------------------------------------------------- suites
+def suite(name: str) -> list[OpCase]:
+    """The named case lists (``SUITES``)."""
+    if name not in SUITES:
+        raise ValueError(f"suite must be one of {sorted(SUITES)}, got {name!r}")
+    return SUITES[name]()
+
+
+def _grouped() -> list[OpCase]:
+    return [OpCase(h, "mid", 16384, 8192, cu_seqlens=cu) for h in (8, 16, 32, 64) for cu in (False, True)]
+
+
+def _nooverlap() -> list[OpCase]:
+    return [OpCase(h, "uniform", 24576, 8192) for h in (8, 16, 32, 64)]
+
+
+def _protocol() -> list[OpCase]:
+    out = []
+    for h in (128, 64):
+        out += [OpCase(h, "uniform", 24576, 8192), OpCase(h, "uniform", 24576, 8192, sink=True, topk_length=True),
+                OpCase(h, "uniform", 24576, 8192, d_qk=512)]
+    return out
+
+
+def _v4() -> list[OpCase]:
+    return [OpCase(h, "v4:mid", 16384, 8192, topk=512, d_qk=512, sink=True, topk_length=True) for h in (8, 16)]
+
+
+def _short() -> list[OpCase]:
+    return [OpCase(h, "mid", 32768, t) for h in (16, 64) for t in (1, 16, 64, 256, 1024)]
+
+
+def _mixed() -> list[OpCase]:
+    return [OpCase(h, "mid", 8192, 32 * 256, requests=32, cu_seqlens=True) for h in (16, 64)]
+
+
+def _sweep() -> list[OpCase]:
+    out = []
+    for new in (1024, 2048, 4096, 8192, 16384, 32768, 65536):
+        for preset in ("mid", "high", "low", "none", "random"):
+            for h in (8, 16, 32, 64):
+                for cu in (False, True):
+                    out.append(OpCase(h, preset, max(0, 32768 - new), new, cu_seqlens=cu))
+    return out
+
+
+SUITES = {"grouped": _grouped, "nooverlap": _nooverlap, "protocol": _protocol, "v4": _v4, "short": _short,
+          "mixed": _mixed, "sweep": _sweep}
+
+
+def provenance() -> dict:
+    from .report import git_revision, package_version
+
+    return {"command": " ".join([sys.executable.split("/")[-1], *sys.argv]), "git_revision": git_revision(),
+            "sparse_mla_version": package_version(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m sparse_mla.bench.op", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--suite", action="append", help=f"case list(s): {', '.join(SUITES)} (repeatable)")
+    ap.add_argument("--calls", default=",".join(CALLS), help="comma-separated calls to time")
+    ap.add_argument("--trials", type=int, default=1)
+    ap.add_argument("--rep-ms", type=int, default=50)
+    ap.add_argument("--host", action="store_true", help="also measure host time per call")
+    ap.add_argument("--budget-s", type=float, default=0, help="stop starting cases after this many seconds (0: none)")
+    ap.add_argument("--json", default=None, help="write the rows here")
+    args = ap.parse_args(argv)
+    cases = [c for s in (args.suite or ["grouped"]) for c in suite(s)]
+    calls = tuple(c for c in args.calls.split(",") if c)
+    rows, t0 = [], time.time()
+    for i, case in enumerate(cases):
+        if args.budget_s and time.time() - t0 > args.budget_s:
+            print(f"budget reached after {i} of {len(cases)} cases", file=sys.stderr)
+            break
+        row = run_case(case, calls=calls, trials=args.trials, host=args.host, rep_ms=args.rep_ms)
+        rows.append(row)
+        cells = "  ".join(f"{n} {r['ms']:.3f}" + (f" ({r['host_us']:.0f}us)" if "host_us" in r else "")
+                          if "ms" in r else f"{n} ERR" for n, r in row["calls"].items())
+        print(f"{case.name:42s} {cells}", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"meta": provenance(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
