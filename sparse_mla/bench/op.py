@@ -59,14 +59,25 @@ class OpCase:
     sink: bool = False
     topk_length: bool = False
     seed: int = 0
+    batch: tuple[tuple[int, int], ...] | None = None  # per-request (cached, new): overrides cached / new / requests
+
+    def requests_lens(self) -> tuple[list[int], list[int]]:
+        """Per-request cached and new token counts."""
+        if self.batch is not None:
+            return [c for c, _ in self.batch], [n for _, n in self.batch]
+        per = [self.new // self.requests + (1 if b < self.new % self.requests else 0) for b in range(self.requests)]
+        return [self.cached] * self.requests, per
 
     @property
     def name(self) -> str:
-        bits = [f"H{self.heads}", self.lists, f"{self.cached}+{self.new}" if self.cached else f"{self.new}",
-                f"k{self.topk}"]
+        if self.batch is not None:
+            shape = f"mixed{len(self.batch)}x{sum(n for _, n in self.batch)}"
+        else:
+            shape = f"{self.cached}+{self.new}" if self.cached else f"{self.new}"
+        bits = [f"H{self.heads}", self.lists, shape, f"k{self.topk}"]
         if self.d_qk != 576:
             bits.append(f"d{self.d_qk}")
-        if self.requests > 1:
+        if self.requests > 1 and self.batch is None:
             bits.append(f"B{self.requests}")
         if self.cu_seqlens:
             bits.append("cu")
@@ -94,38 +105,57 @@ def _uniform_lists(cached: int, new: int, topk: int, device, gen: torch.Generato
     return out
 
 
-def case_inputs(case: OpCase, device, dtype: torch.dtype) -> dict:
-    """q [T, H, d_qk], kv [N, d_qk], indices [T, K'] int32, topk_length, attn_sink, cu_seqlens_q, sm_scale, T, N."""
+_LISTS: dict = {}  # the last case's lists, reused while only the heads change (a sweep's inner loop)
+
+
+def _case_lists(case: OpCase, device) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """(indices [T, K'] int32, N, topk_length or None) of ``case``, drawn once per list-defining fields."""
+    key = (case.lists, tuple(map(tuple, case.requests_lens())), case.topk, case.topk_length, case.seed, str(device))
+    if key not in _LISTS:
+        _LISTS.clear()
+        _LISTS[key] = _draw_lists(case, device)
+    return _LISTS[key]
+
+
+def _draw_lists(case: OpCase, device) -> tuple[torch.Tensor, int, torch.Tensor | None]:
     from ..workloads.topk import synthetic_batch
     from ..workloads.windowed import window_topk_lists
 
     gen = torch.Generator(device=device)
-    gen.manual_seed(case.seed)
-    per = [case.new // case.requests + (1 if b < case.new % case.requests else 0) for b in range(case.requests)]
+    gen.manual_seed(case.seed + 1)
+    cached, per = case.requests_lens()
     topk_length = None
     if case.lists == "uniform":
         parts, off = [], 0
-        for n in per:
-            idx = _uniform_lists(case.cached, n, case.topk, device, gen)
+        for c, n in zip(cached, per):
+            idx = _uniform_lists(c, n, case.topk, device, gen)
             parts.append(torch.where(idx >= 0, idx + off, -1))
-            off += case.cached + n
+            off += c + n
         indices, N = torch.cat(parts), off
     elif case.lists.startswith("v4:"):
         parts, lens, off = [], [], 0
-        for b, n in enumerate(per):
-            idx, ln, rows = window_topk_lists(case.cached, n, case.topk, 128, case.lists[3:], seed=case.seed + b,
-                                              device=device)
+        for b, (c, n) in enumerate(zip(cached, per)):
+            idx, ln, rows = window_topk_lists(c, n, case.topk, 128, case.lists[3:], seed=case.seed + b, device=device)
             parts.append(torch.where(idx >= 0, idx + off, -1))
             lens.append(ln)
             off += rows
         indices, N, topk_length = torch.cat(parts), off, torch.cat(lens)
     else:
-        batch = synthetic_batch([case.cached] * case.requests, per, case.topk, case.lists, seed=case.seed, device=device)
+        batch = synthetic_batch(cached, per, case.topk, case.lists, seed=case.seed, device=device)
         indices, N = batch.indices, batch.num_kv_rows
         if case.topk_length:
             topk_length = batch.valid
     if case.topk_length and topk_length is None:
         topk_length = (indices >= 0).sum(1).to(torch.int32)
+    return indices, N, topk_length
+
+
+def case_inputs(case: OpCase, device, dtype: torch.dtype) -> dict:
+    """q [T, H, d_qk], kv [N, d_qk], indices [T, K'] int32, topk_length, attn_sink, cu_seqlens_q, sm_scale, T, N."""
+    _, per = case.requests_lens()
+    indices, N, topk_length = _case_lists(case, device)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(case.seed)
     T = indices.shape[0]
     q = torch.randn(T, case.heads, case.d_qk, device=device, generator=gen).to(dtype)
     kv = torch.randn(N, case.d_qk, device=device, generator=gen).to(dtype)
@@ -348,15 +378,25 @@ def _short() -> list[OpCase]:
 
 
 def _mixed() -> list[OpCase]:
-    return [OpCase(h, "mid", 8192, 32 * 256, requests=32, cu_seqlens=True) for h in (16, 64)]
+    """32 requests of 64-512 new tokens over 1K-32K cached (seeded draw), with cu_seqlens_q."""
+    g = torch.Generator().manual_seed(7)
+    news = torch.randint(64, 513, (32,), generator=g).tolist()
+    cached = torch.randint(1024, 32769, (32,), generator=g).tolist()
+    batch = tuple(zip(cached, news))
+    return [OpCase(h, "mid", batch=batch, cu_seqlens=True) for h in (16, 64)]
 
 
 def _sweep() -> list[OpCase]:
+    """The grid the op's grouping rule is fitted on (``sparse_mla.mqa.selection``): new tokens 1K-64K over a
+    32K context (cached = 32K - new, pure prompts beyond), H 8-64, lists mid (with and without cu_seqlens_q),
+    low, none, random."""
     out = []
     for new in (1024, 2048, 4096, 8192, 16384, 32768, 65536):
-        for preset in ("mid", "high", "low", "none", "random"):
+        for preset in ("mid", "low", "none", "random"):
+            if new == 65536 and preset != "mid":
+                continue
             for h in (8, 16, 32, 64):
-                for cu in (False, True):
+                for cu in ((False, True) if preset == "mid" else (False, )):
                     out.append(OpCase(h, preset, max(0, 32768 - new), new, cu_seqlens=cu))
     return out
 
