@@ -18,7 +18,7 @@ if not HAS_CUDA:
 def union_backend(request, monkeypatch) -> str:
     """Forces ``build_group_union`` / ``sparse_mla_fwd`` onto one union builder (SPARSE_MLA_UNION_BACKEND):
     the Triton twin everywhere, the CUDA shared-memory builder where it can run (skipped elsewhere)."""
-    from lib import cuda_smem_unavailable
+    from testlib.backends import cuda_smem_unavailable
 
     from sparse_mla.union import backends
 

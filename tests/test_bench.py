@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from lib import DEVICE, DTYPE, HAS_CUDA, LAYER_ROW_TOLERANCE, TOLERANCE, all_of, assert_rows_close, cpu_only
+from testlib.device import DEVICE, DTYPE, HAS_CUDA, cpu_only
+from testlib.paths import RESULTS
+from testlib.tolerances import LAYER_ROW_TOLERANCE, TOLERANCE, all_of, assert_rows_close
 from typer.testing import CliRunner
 
 import sparse_mla.cli as cli
@@ -33,7 +35,7 @@ from sparse_mla.layer.dispatch import PATH_NAMES
 RUNNER = CliRunner()
 TINY = ["--dims", "16,512,32,64,32", "--tokens", "12,12", "--cached", "0,24", "--topk", "16"]
 SCENARIOS = ("dims-16-512-32-64-32/tp1/12", "dims-16-512-32-64-32/tp1/24+12")
-COMMITTED = Path(__file__).resolve().parent.parent / "results" / "bench.json"
+COMMITTED = RESULTS / "bench.json"
 # The tests of the interpreter run (bench_json): its "NOT performance numbers" banner, timings_meaningful False,
 # the fp16 tolerance, the scenarios the interpreter runs.
 interpreter_bench = cpu_only("the bench's Triton-interpreter run (fp16, its banner and JSON)")

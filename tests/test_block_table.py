@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from lib import DEVICE, DTYPE, INT_MAX, INT_MIN, assert_matches_reference, poisoned_out
+from testlib.device import DEVICE, DTYPE, INT_MAX, INT_MIN
+from testlib.problems import poisoned_out
+from testlib.tolerances import assert_matches_reference
 
 from sparse_mla import SparseMLAWorkspace, sparse_mla_fwd, sparse_mla_ref
 from sparse_mla.integration.block_table import (

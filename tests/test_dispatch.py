@@ -13,7 +13,7 @@ import warnings
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from lib import all_of
+from testlib.tolerances import all_of
 
 from sparse_mla.layer import dispatch
 from sparse_mla.layer.config import PrefillStep, causal_sums
@@ -176,11 +176,11 @@ def test_dispatcher_within_5pct_of_best_on_committed_sweep():
     automatic choice is within 5% of the fastest measured path (a threshold edit that breaks this
     fails here, on the CPU)."""
     import json
-    from pathlib import Path
+
+    from testlib.paths import RESULTS as results
 
     from sparse_mla.layer.calibration import TOLERANCE, evaluate
 
-    results = Path(__file__).resolve().parent.parent / "results"
     ev = evaluate(json.loads((results / "sweep_paths.json").read_text())["rows"])
     assert len(ev) >= 100 and {e["new"] for e in ev} >= {1024, 65536}
     # the benchmark's scenarios (layer paths timed the same way) are measured points too

@@ -1,4 +1,4 @@
-"""``sparse_mla.flash_mla_sparse_fwd`` against FlashMLA's own sparse-prefill cases (tests/flashmla_cases.py):
+"""``sparse_mla.flash_mla_sparse_fwd`` against FlashMLA's own sparse-prefill cases (tests/testlib/flashmla_cases.py):
 its correctness, feature and corner lists with its tolerances, in fp16 through the Triton interpreter at
 small sizes on the CPU, and at full size in bf16 on a GPU for every attention backend
 (``SPARSE_MLA_MQA_BACKEND`` = triton, gluon_sm90) and every head count 1..128; plus the attn_sink /
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from flashmla_cases import (
+from testlib.device import DEVICE, DTYPE, HAS_CUDA
+from testlib.flashmla_cases import (
     CPU_CORNER,
     CPU_CORRECTNESS,
     CPU_FEATURES,
@@ -27,7 +28,8 @@ from flashmla_cases import (
     check_against_reference,
     make_inputs,
 )
-from lib import DEVICE, DTYPE, HAS_CUDA, assert_grids_within_cuda_limits, neighbour_rows, record_launch_grids
+from testlib.grids import assert_grids_within_cuda_limits, record_launch_grids
+from testlib.problems import neighbour_rows
 
 import sparse_mla
 from sparse_mla import SparseMLAWorkspace, flash_mla_sparse_fwd, flash_mla_sparse_ref, sparse_mla_fwd, sparse_mla_ref

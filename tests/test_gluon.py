@@ -14,19 +14,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lib import (
-    HAS_CUDA,
-    TOLERANCE,
-    adversarial_indices,
-    assert_matches_reference,
+from testlib.adversarial import adversarial_indices, garbage_topk_length
+from testlib.device import HAS_CUDA
+from testlib.problems import (
     assert_outside_untouched,
     cu_seqlens,
-    garbage_topk_length,
     make_problem,
     neighbour_rows,
     poisoned_out,
     poisoned_views,
 )
+from testlib.tolerances import TOLERANCE, assert_matches_reference
 
 from sparse_mla import sparse_mla_fwd, sparse_mla_ref
 from sparse_mla.mqa import backends, gluon_sm90

@@ -11,7 +11,7 @@ test is skipped on a developer machine and fails under CI (``CI`` set), so CI ca
 from __future__ import annotations
 
 import pytest
-from lib import run_sm90_compile
+from testlib.sm90 import run_sm90_compile
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one block may use on the H100 / H200
 

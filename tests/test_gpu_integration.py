@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from lib import HAS_CUDA, assert_matches_reference
+from testlib.device import HAS_CUDA
+from testlib.tolerances import assert_matches_reference
 
 from sparse_mla import SparseMLAWorkspace, sparse_mla_fwd, sparse_mla_ref
 from sparse_mla.integration import ops  # noqa: F401  (registers torch.ops.sparse_mla.*)

@@ -16,23 +16,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from lib import (
-    DEVICE,
-    DTYPE,
-    adversarial_indices,
-    all_of,
-    assert_grids_within_cuda_limits,
-    assert_matches_reference,
-    assert_same_result,
-    colliding_rows,
-    cu_seqlens,
-    garbage_topk_length,
-    make_problem,
-    neighbour_rows,
-    poisoned_views,
-    record_launch_grids,
-    run_checked,
-)
+from testlib.adversarial import adversarial_indices, colliding_rows, garbage_topk_length
+from testlib.device import DEVICE, DTYPE
+from testlib.grids import assert_grids_within_cuda_limits, record_launch_grids
+from testlib.problems import cu_seqlens, make_problem, neighbour_rows, poisoned_views, run_checked
+from testlib.tolerances import all_of, assert_matches_reference, assert_same_result
 
 from sparse_mla import SparseMLAWorkspace, default_group_size, selection, sparse_mla_fwd, sparse_mla_ref, validation
 from sparse_mla.selection import overlap_guard_ratio
@@ -46,7 +34,7 @@ class Case:
     lengths: list[int] | None  # requests (cu_seqlens_q); None = token-major over T rows
     T: int | None = None
     lists: str = "neighbour"  # neighbour | disjoint | identical | mixed
-    padded: bool = False  # adversarial padding patterns (lib.adversarial_indices)
+    padded: bool = False  # adversarial padding patterns (testlib.adversarial.adversarial_indices)
     topk_length: bool = False  # lengths with garbage after them
     guard: float | None = -1.0  # sparse_mla_fwd's overlap_guard: -1 default table, 0.0 all per token, None off
     return_lse: bool = True
@@ -229,7 +217,7 @@ def test_huge_kv_rows_end_to_end(N):
     pytest.param(20, True, id="K20-shared-pool-of-40"),
 ])
 def test_hash_collisions_end_to_end(K, overlap, union_backend):
-    """Every row of a group hashes to the last slot of the union builder's table (``lib.colliding_rows``
+    """Every row of a group hashes to the last slot of the union builder's table (``testlib.adversarial.colliding_rows``
     mirrors its hash), so the union is built along one probe chain that wraps to slot 0. The result must
     be exact whichever way the builder handles a long chain: a group it reports as overflowed
     (union_len -1, see ``sparse_mla.union.triton_tl.build_union``) must have been routed per token."""

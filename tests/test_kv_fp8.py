@@ -19,22 +19,16 @@ import struct
 
 import pytest
 import torch
-from lib import (
-    DEVICE,
-    DTYPE,
+from testlib.adversarial import adversarial_indices, garbage_topk_length
+from testlib.device import DEVICE, DTYPE
+from testlib.problems import assert_outside_untouched, cu_seqlens, neighbour_rows, poisoned_out, poisoned_views
+from testlib.sm90 import run_sm90_compile
+from testlib.tolerances import (
     LAYER_ROW_TOLERANCE,
-    adversarial_indices,
     all_of,
     assert_matches_reference,
-    assert_outside_untouched,
     assert_rows_close,
     assert_same_result,
-    cu_seqlens,
-    garbage_topk_length,
-    neighbour_rows,
-    poisoned_out,
-    poisoned_views,
-    run_sm90_compile,
 )
 
 from sparse_mla import dsa_prefill, dsa_prefill_ref, sparse_mla_fwd, sparse_mla_ref

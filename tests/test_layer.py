@@ -3,7 +3,7 @@
 Each case builds one prefill step of a published layout (DeepSeek-V3.2, GLM-5, GLM-5.3-Flash NoPE,
 full head dims, few heads for speed), several requests with cached prefixes, prompts shorter and
 longer than topk, and runs every path that applies, forced, into a NaN-poisoned strided ``out``;
-the result must match ``dsa_prefill_ref`` (relative Frobenius error, ``lib.TOLERANCE``) and leave
+the result must match ``dsa_prefill_ref`` (relative Frobenius error, ``testlib.tolerances``) and leave
 the padding around the view untouched. The masked-MHA kernel is also tested on its own: the packed
 key masks against ``window_allowed_ref``, the attention against ``masked_attention_ref``, and tile
 skipping through the kernel's debug tile counter against ``tile_occupancy``.
@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from lib import DEVICE, DTYPE, INT_MAX, INT_MIN, LAYER_ROW_TOLERANCE, all_of, assert_rows_close, rel_err
+from testlib.device import DEVICE, DTYPE, INT_MAX, INT_MIN
+from testlib.tolerances import LAYER_ROW_TOLERANCE, all_of, assert_rows_close, rel_err
 
 from sparse_mla.layer import PathFallbackWarning, SparseMLAPrefill, dsa_prefill, dsa_prefill_ref, explain
 from sparse_mla.layer import paths as layer_paths

@@ -1,4 +1,4 @@
-"""The suite's comparison helpers (``tests/lib.py``) catch the errors they exist for: one (token, head)
+"""The suite's comparison helpers (``tests/testlib/``) catch the errors they exist for: one (token, head)
 row scaled by 1.05, one lse entry off by 1e-4 relative, a NaN, a nonzero row for a query with no valid entry, an
 ``all`` over nothing. A check that cannot fail here would let a kernel bug through everywhere."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lib import (
+from testlib.tolerances import (
     LAYER_ROW_TOLERANCE,
     ROW_TOLERANCE,
     all_of,

@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from lib import DEVICE, DTYPE, INT_MAX, INT_MIN
+from testlib.device import DEVICE, DTYPE, INT_MAX, INT_MIN
 
 from sparse_mla import sparse_mla_fwd, sparse_mla_ref
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lib import DEVICE, DTYPE, assert_matches_reference, cu_seqlens, make_problem, neighbour_rows
+from testlib.device import DEVICE, DTYPE
+from testlib.problems import cu_seqlens, make_problem, neighbour_rows
+from testlib.tolerances import assert_matches_reference
 
 from sparse_mla import SparseMLAWorkspace, sparse_mla_fwd, sparse_mla_ref
 
@@ -59,8 +61,8 @@ def test_nonfinite_row_stays_within_its_request_on_the_mha_paths(case, path):
     """The MHA paths over two requests: a NaN in request 0's window, in a row only its last token selects
     (dense: its own position; masked: plus no query selecting it at all), may reach any of request 0's
     queries, never request 1's."""
-    from lib import LAYER_ROW_TOLERANCE, assert_rows_close
     from test_layer import CASES, build
+    from testlib.tolerances import LAYER_ROW_TOLERANCE, assert_rows_close
 
     from sparse_mla.layer import dsa_prefill, dsa_prefill_ref
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lib import DEVICE, DTYPE, HAS_CUDA, all_of, assert_matches_reference, make_problem, neighbour_rows, poisoned_out
+from testlib.device import DEVICE, DTYPE, HAS_CUDA
+from testlib.problems import make_problem, neighbour_rows, poisoned_out
+from testlib.tolerances import all_of, assert_matches_reference
 
 from sparse_mla import SparseMLAWorkspace, sparse_mla_fwd, sparse_mla_ref
 from sparse_mla.integration import ops  # noqa: F401  (registers torch.ops.sparse_mla.*)

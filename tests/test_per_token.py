@@ -3,28 +3,18 @@
 Every call writes into NaN-poisoned out= / lse= buffers, so an element the kernel forgets fails; the
 padding around the written views must stay NaN (a 16-row tile of a query with H < 16 heads must not
 store into the next heads or tokens). CPU runs use fp16 through the Triton interpreter, the GPU bf16
-(``lib.DTYPE``), with the tolerances of ``lib.TOLERANCE``.
+(``testlib.device.DTYPE``), with the tolerances of ``testlib.tolerances``.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from lib import (
-    DEVICE,
-    DTYPE,
-    INT_MAX,
-    INT_MIN,
-    adversarial_indices,
-    assert_grids_within_cuda_limits,
-    assert_matches_reference,
-    compact_reference,
-    garbage_topk_length,
-    make_problem,
-    poisoned_views,
-    record_launch_grids,
-    run_checked,
-)
+from testlib.adversarial import adversarial_indices, garbage_topk_length
+from testlib.device import DEVICE, DTYPE, INT_MAX, INT_MIN
+from testlib.grids import assert_grids_within_cuda_limits, record_launch_grids
+from testlib.problems import compact_reference, make_problem, poisoned_views, run_checked
+from testlib.tolerances import assert_matches_reference
 
 from sparse_mla import sparse_mla_fwd, sparse_mla_ref
 

@@ -8,11 +8,9 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-README = Path(__file__).resolve().parent.parent / "README.md"
+from testlib.paths import README
 
 
 def use_blocks() -> list[str]:

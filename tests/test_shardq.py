@@ -2,7 +2,7 @@
 
 Multi-process tests spawn W ranks (file rendezvous in tmp_path); each rank holds the TP head shard
 of q, calls ``shardq_sparse_mla_fwd`` and compares its shard with the fp32 ``sparse_mla_ref`` (the
-per-row tolerance of tests/lib.py); the gathered shards are compared, within the same tolerance, with
+per-row tolerance of tests/testlib/tolerances.py); the gathered shards are compared, within the same tolerance, with
 one process running ``sparse_mla_fwd`` on all heads. Not bitwise: a rank runs the kernel on other head
 or row counts than the single process (the TP path: H / W heads), and the CPU's BLAS, like cuBLAS, may
 round a product of one shape differently from one of another. Two backends
@@ -34,17 +34,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from lib import (
-    DEVICE,
-    DTYPE,
-    INT_MAX,
-    INT_MIN,
-    TOLERANCE,
-    assert_matches_reference,
-    assert_same_result,
-    cpu_only,
-    make_problem,
-)
+from testlib.device import DEVICE, DTYPE, INT_MAX, INT_MIN, cpu_only
+from testlib.problems import make_problem
+from testlib.tolerances import TOLERANCE, assert_matches_reference, assert_same_result
 
 from sparse_mla.bench.shardq import VARIANTS, plot_shardq, print_shardq_table, run_shardq_bench
 from sparse_mla.distributed import (
@@ -73,7 +65,7 @@ class Backend:
         return torch.device("cpu") if self.interpret else torch.device("cuda", rank)
 
 
-GLOO = Backend("gloo", torch.float16, True)  # fp16: the interpreter's bf16 tl.dot is wrong (tests/lib.py)
+GLOO = Backend("gloo", torch.float16, True)  # fp16: the interpreter's bf16 tl.dot is wrong (tests/testlib/__init__.py)
 NCCL = Backend("nccl", torch.bfloat16, False)
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL ranks need 2 CUDA GPUs (one per rank)")
 # On a GPU box the NCCL variant runs the compiled kernels; the gloo variants run the interpreter,

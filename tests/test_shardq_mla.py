@@ -17,7 +17,6 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from lib import DTYPE, HAS_CUDA, LAYER_ROW_TOLERANCE, TOLERANCE, assert_rows_close
 from test_shardq import (
     GLOO,
     WRONG_ROW_FACTOR,
@@ -30,6 +29,8 @@ from test_shardq import (
     expect_detected,
     gloo_only,
 )
+from testlib.device import DTYPE, HAS_CUDA
+from testlib.tolerances import LAYER_ROW_TOLERANCE, TOLERANCE, assert_rows_close
 
 from sparse_mla.distributed import cost_model, zigzag_partition
 from sparse_mla.distributed.mla import EXCHANGES, shardq_mla_attention, tp_mla_attention

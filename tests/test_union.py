@@ -16,26 +16,17 @@ choice on the CPU, and the CUDA source compiled by NVRTC for sm_80 / sm_90 on th
 
 from __future__ import annotations
 
-import cuda_emulation
 import pytest
 import torch
 import triton
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from lib import (
-    BACKEND_PARAMS,
-    DEVICE,
-    HAS_CUDA,
-    INT_MAX,
-    INT_MIN,
-    adversarial_indices,
-    all_of,
-    colliding_rows,
-    cu_seqlens,
-    cuda_smem_unavailable,
-    garbage_topk_length,
-    neighbour_rows,
-)
+from testlib import cuda_emulation
+from testlib.adversarial import adversarial_indices, colliding_rows, garbage_topk_length
+from testlib.backends import BACKEND_PARAMS, cuda_smem_unavailable
+from testlib.device import DEVICE, HAS_CUDA, INT_MAX, INT_MIN
+from testlib.problems import cu_seqlens, neighbour_rows
+from testlib.tolerances import all_of
 
 from sparse_mla import SparseMLAWorkspace, build_group_union
 from sparse_mla.union import backends, cuda_smem
@@ -170,7 +161,7 @@ def test_default_num_kv_rows_keeps_rows_up_to_int32_max(union_backend):
     pytest.param(16, 20, True, id="G16-K20-shared-pool-of-40"),
 ])
 def test_hash_collisions(G, K, overlap, union_backend):
-    """Every valid row hashes to the last slot of the builder's table (``lib.colliding_rows`` mirrors its
+    """Every valid row hashes to the last slot of the builder's table (``testlib.adversarial.colliding_rows`` mirrors its
     hash), so entries probe one long chain that wraps to slot 0 (320 slots for G = 16, K = 20).
     ``overlap``: lists draw from a shared pool of colliding rows, so copies of one row meet in
     different rounds. A short second group with padding too. The union must still be exact."""
@@ -421,7 +412,7 @@ def run_builder(backend: str, idx: torch.Tensor, topk_length: torch.Tensor | Non
     if backend == "cuda_smem":
         plan = cuda_smem.build_union(idx_d, tl_d, N, G, gs, gl, route, ws.union_rows, ws.union_bits, ul,
                                      guard_ratio=guard, slots=slots)
-    elif backend.startswith("cuda_emu"):  # the kernel's source on the CPU (tests/cuda_emulation.py)
+    elif backend.startswith("cuda_emu"):  # the kernel's source on the CPU (tests/testlib/cuda_emulation.py)
         threads, unroll = EMULATED[backend]
         lib, why = cuda_emulation.build(threads, unroll)
         if lib is None:
@@ -484,7 +475,7 @@ def _builder_lists(kind: str, T: int, K: int, N: int, g: torch.Generator, base_r
     return _lists(kind, T, K, N, g)
 
 
-# The CUDA kernel's source run on the CPU (tests/cuda_emulation.py): (threads, unroll) per variant. The
+# The CUDA kernel's source run on the CPU (tests/testlib/cuda_emulation.py): (threads, unroll) per variant. The
 # production block (1024 threads, tables up to 16x smaller than the block) and a 64-thread block (several
 # entries per thread across list boundaries, several compaction rounds). Shared memory: the H200's.
 EMULATED = {"cuda_emu1024": (cuda_smem.THREADS, cuda_smem.UNROLL), "cuda_emu64": (64, 2)}
@@ -805,7 +796,7 @@ def test_plan_table():
 def test_cuda_source_compiles_with_nvrtc(arch):
     """The kernel compiles with the options the runtime uses, without spills (32 registers at 1024 threads
     x 2 CTAs per SM); a broken source is reported as such (the check is not vacuous)."""
-    from nvrtc_compile import compile_cubin, load_nvrtc, nvrtc_version
+    from testlib.nvrtc_compile import compile_cubin, load_nvrtc, nvrtc_version
 
     lib, where = load_nvrtc()
     if lib is None:

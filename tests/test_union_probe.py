@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lib import DEVICE, all_of, assert_same_result, cu_seqlens, make_problem, neighbour_rows, run_checked
+from testlib.device import DEVICE
+from testlib.problems import cu_seqlens, make_problem, neighbour_rows, run_checked
+from testlib.tolerances import all_of, assert_same_result
 
 from sparse_mla import SparseMLAWorkspace, sparse_mla_fwd
 from sparse_mla.union import probe

@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from lib import DEVICE, DTYPE, INT_MAX
+from testlib.device import DEVICE, DTYPE, INT_MAX
 
 import sparse_mla.interface as interface
 import sparse_mla.kernels.masked_mha as masked_mha

@@ -12,7 +12,8 @@ import math
 
 import pytest
 import torch
-from lib import DEVICE, all_of
+from testlib.device import DEVICE
+from testlib.tolerances import all_of
 
 from sparse_mla.workloads import (
     MODELS,

@@ -137,7 +137,7 @@ def compiler() -> str | None:
 def emulator_source() -> str:
     src = cuda_smem.source()
     marker = "extern __shared__ int smem[];"
-    assert marker in src, "the kernel's dynamic shared memory declaration changed: update tests/cuda_emulation.py"
+    assert marker in src, "the kernel's dynamic shared memory declaration changed: update tests/testlib/cuda_emulation.py"
     return PRELUDE + src.replace(marker, "int* smem = emu_smem;") + ENTRY
 
 

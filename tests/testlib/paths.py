@@ -1,0 +1,9 @@
+"""Paths of the repository the tests run in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "results"
+README = REPO / "README.md"
