@@ -15,6 +15,8 @@ from typing import Annotated
 import typer
 from typer.core import TyperCommand, TyperGroup
 
+from . import env
+
 
 class _PlainHelp:
     """Help screens as users read them: the usage line names arguments plainly (``FILE``, not typer's
@@ -46,7 +48,7 @@ app = typer.Typer(
     add_completion=False,
 )
 
-SPARSE_MLA_PATH_ENV = "SPARSE_MLA_PATH"  # sparse_mla.layer.dispatch.ENV_VAR (not imported: it loads torch)
+SPARSE_MLA_PATH_ENV = env.PATH.name  # sparse_mla.layer.dispatch.ENV_VAR (sparse_mla.env imports no torch)
 # Default --trials: do_bench trials per path on one GPU, timed iterations per variant under torchrun,
 # one wall-clock run under the interpreter (not a performance number either way).
 TRIALS_GPU, TRIALS_TORCHRUN, TRIALS_INTERPRETER = 5, 3, 1
@@ -115,7 +117,7 @@ def _kernel_device() -> bool:
     if torch.cuda.is_available():
         return True
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if not env.interpreted():
         raise typer.BadParameter("no CUDA GPU and TRITON_INTERPRET is not 1: the kernels cannot run")
     return False
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 from dataclasses import dataclass
 
 import torch
 
+from . import env
 from .kv_format import KV_FORMATS, check_kv_format, looks_like_fp8_ds_mla
 
 SUPPORTED_D_QK = (512, 576)
@@ -215,7 +215,7 @@ def require_kernel_tensor(name: str, x: torch.Tensor) -> None:
         ValueError: ``x`` on neither CUDA nor the CPU with TRITON_INTERPRET=1.
         TypeError: ``x`` bfloat16 on the CPU, or on CUDA with TRITON_INTERPRET=1.
     """
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    interpreted = env.interpreted()
     if x.device.type not in ("cpu", "cuda") or (x.device.type == "cpu" and not interpreted):
         raise ValueError(
             f"{name} is on {x.device}: the Triton kernels need a CUDA device, or CPU tensors with TRITON_INTERPRET=1 "

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import env
 from ..workloads.models import MLAConfig, get_model
 from ..workloads.stats import union_ratio
 from ..workloads.topk import resolve_overlap
@@ -130,9 +131,9 @@ def _check_args(models, tokens, topk, overlap, trials, seed, min_tokens) -> list
 def _require_interpreter() -> None:
     """CPU ranks run the kernels through the Triton interpreter: TRITON_INTERPRET=1, set here unless
     the kernels were already imported without it (Triton reads it when a kernel is defined)."""
-    if "TRITON_INTERPRET" not in os.environ and not any(m.startswith("sparse_mla.kernels") for m in sys.modules):
+    if "TRITON_INTERPRET" not in os.environ and not env.kernels_imported():
         os.environ["TRITON_INTERPRET"] = "1"
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if not env.interpreted():
         raise RuntimeError("CPU ranks need the Triton interpreter: set TRITON_INTERPRET=1 before sparse_mla's kernels "
                            "are imported")
 

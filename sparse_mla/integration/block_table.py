@@ -30,10 +30,9 @@ last entry must be the padded T: a trailing dummy request, or the last request e
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from .. import env
 from ..kv_format import KV_FORMATS, check_kv_format
 from ..validation import check_tensor, require_bool, require_disjoint, require_int
 
@@ -148,7 +147,7 @@ def validate_convert_args(
 
 
 def _require_kernel_device(x: torch.Tensor) -> None:
-    if x.device.type == "cuda" or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+    if x.device.type == "cuda" or (x.device.type == "cpu" and env.interpreted()):
         return
     raise ValueError(
         f"topk_local is on {x.device}: the Triton converter needs a CUDA device, or CPU tensors with "

@@ -14,12 +14,12 @@ by request (T = sum(new_lens)). New token i of request b (position cached_b + i)
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from .. import env
 from ..host import to_device_async
 from ..kv_format import KV_FORMATS, check_kv_format
 from ..validation import (
@@ -182,7 +182,7 @@ def causal_sums(cached: int, new: int, topk: int | None = None) -> int:
 def kernels_available(device: torch.device, dtype: torch.dtype | None = None) -> bool:
     """Triton kernels run on CUDA, or on the CPU through the interpreter (TRITON_INTERPRET=1), and not
     in bf16 under the interpreter (its bf16 tl.dot is wrong; ``validation.require_kernel_tensor``)."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    interpreted = env.interpreted()
     if dtype == torch.bfloat16 and interpreted:
         return False
     return device.type == "cuda" or (device.type == "cpu" and interpreted)

@@ -28,16 +28,16 @@ stop a server).
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 from dataclasses import dataclass, field
 
+from .. import env
 from .config import PrefillStep, causal_sums
 from .paths import MASKED_MHA_MAX_HEAD_DIM, MQA_KV_LORA_RANKS, MQA_ROPE_DIMS, DenseMHA, MaskedMHA, SparseMQA
 
 logger = logging.getLogger("sparse_mla")
 
-ENV_VAR = "SPARSE_MLA_PATH"
+ENV_VAR = env.PATH.name
 
 # The registry: name -> path object (supports(step) -> (ok, reason), run(problem) -> o).
 PATHS = {p.name: p for p in (DenseMHA(), MaskedMHA(), SparseMQA("grouped"), SparseMQA("per_token"))}
@@ -164,15 +164,15 @@ def _requested(path: str | None) -> tuple[str | None, str]:
         if path not in PATHS:
             raise ValueError(f"path must be 'auto' or one of {PATH_NAMES}, got {path!r}")
         return path, "path="
-    env = os.environ.get(ENV_VAR, "").strip()
-    if not env or env == "auto":
+    value = env.get(env.PATH).strip()
+    if not value or value == "auto":
         return None, ""
-    if env not in PATHS:
-        msg = f"{ENV_VAR}={env!r} is not a path ({PATH_NAMES}); ignoring it"
+    if value not in PATHS:
+        msg = f"{ENV_VAR}={value!r} is not a path ({PATH_NAMES}); ignoring it"
         logger.warning(msg)
         warnings.warn(msg, PathFallbackWarning, stacklevel=4)
         return None, ""
-    return env, f"{ENV_VAR}="
+    return value, f"{ENV_VAR}="
 
 
 def auto_path(step: PrefillStep, sup: dict[str, tuple[bool, str]], ratio: float,

@@ -19,16 +19,16 @@ backend that does not apply raises ``ValueError`` with the reason. Each launch l
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
+from .. import env
 from . import triton_tl
 
 logger = logging.getLogger("sparse_mla")
 
 BACKENDS = ("triton", "gluon_sm90")
-ENV_VAR = "SPARSE_MLA_MQA_BACKEND"
+ENV_VAR = env.MQA_BACKEND.name
 
 
 def fp8_kv_reason(dtype: torch.dtype, d_qk: int = 576) -> str | None:
@@ -49,7 +49,7 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
 
 def gluon_sm90_device_applies(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
     """The device, Triton and dtype part of ``gluon_sm90_applies`` (no tensors needed)."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if env.interpreted():
         return False, "TRITON_INTERPRET=1 (the interpreter runs tl kernels only)"
     cap = _capability(device)
     if cap is None:
@@ -145,7 +145,7 @@ def select_backend(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None =
     Raises:
         ValueError: the variable names an unknown backend, or forces one that does not apply here.
     """
-    forced = os.environ.get(ENV_VAR, "auto").strip() or "auto"
+    forced = env.get(env.MQA_BACKEND).strip() or "auto"
     if forced not in ("auto", *BACKENDS):
         raise ValueError(f"{ENV_VAR} must be one of auto, {', '.join(BACKENDS)}; got {forced!r}")
     ok, why = gluon_sm90_applies(q, kv, out)
@@ -182,7 +182,7 @@ def describe_for_device(device: torch.device | None = None, dtype: torch.dtype =
     ``sparse_mla.layer.explain`` prints."""
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    forced = os.environ.get(ENV_VAR, "auto").strip() or "auto"
+    forced = env.get(env.MQA_BACKEND).strip() or "auto"
     ok, why = gluon_sm90_device_applies(device, dtype)
     if ok and kv_fp8:
         fp8_why = fp8_kv_reason(dtype)
@@ -213,7 +213,7 @@ def _sink_fallback(name: str, why: str, attn_sink, max_logits) -> tuple[str, str
     if getattr(gluon_sm90, "SUPPORTS_SINK", False):
         return name, why, extra
     missing = "the Gluon kernel does not take attn_sink / max_logits yet (gluon_sm90.SUPPORTS_SINK is false)"
-    if (os.environ.get(ENV_VAR, "auto").strip() or "auto") == "gluon_sm90":
+    if (env.get(env.MQA_BACKEND).strip() or "auto") == "gluon_sm90":
         raise ValueError(f"{ENV_VAR}=gluon_sm90 but {missing}")
     return "triton", missing, extra
 

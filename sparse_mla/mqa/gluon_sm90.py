@@ -51,10 +51,9 @@ variant for sm_90 with that Triton (tests/test_gluon_compile.py). Semantics:
 
 from __future__ import annotations
 
-import os
-
 import triton
 
+from .. import env
 from ..kv_format import FP8_DS_MLA
 
 SUPPORTED_TRITON = ("3.6",)  # major.minor of triton whose Gluon API these kernels are written against
@@ -885,20 +884,20 @@ STAGES = 2
 SCHEDULES = ("split", "pair")
 # The schedule of bf16 / fp16 caches: pair measured 1.23-1.36x faster than split (results/gluon-v12-full.json; NOTES-GPU.md,
 # session 7). An fp8_ds_mla cache always runs split (``schedule_for``): only its producer dequantizes.
-SCHEDULE = os.environ.get("SPARSE_MLA_GLUON_SCHEDULE", "pair")
+SCHEDULE = env.get(env.GLUON_SCHEDULE)
 # Timing knob of the split schedule (bitmask: 1 no row max, 2 no P.V, 4 no row sum, 8 no Q.K^T, 16 no O rescale):
 # wrong results, only for placing time inside the kernel (scripts/bench_gluon.py --ablate). 0 in production.
 ABLATE = 0
 # O stored through shared memory in 16-byte row-contiguous pieces: split, per-token tiles (results/gluon-v6.json: 413 vs
 # 402 TFLOP/s at 64 heads, 423 vs 408 at 128; its grouped tiles keep the direct store, 2.11 vs 2.07 ms there); pair,
 # every tile (results/probe-pair.json: grouped 1.570 vs 1.611 ms at 16 heads, 3.000 vs 3.049 at 32, 0.853 vs 0.869 at 8).
-O_VIA_SMEM = os.environ.get("SPARSE_MLA_GLUON_O_VIA_SMEM", "1") == "1"
+O_VIA_SMEM = env.get(env.GLUON_O_VIA_SMEM) == "1"
 # Both schedules: one CTA per SM looping over the work items (the next item's first tiles land during this one's
 # epilogue) instead of one CTA per item.
-PERSISTENT = os.environ.get("SPARSE_MLA_GLUON_PERSISTENT", "1") == "1"
+PERSISTENT = env.get(env.GLUON_PERSISTENT) == "1"
 PAIR_CONSUMER_REGS = 232  # each consumer warpgroup; the producer (the default partition) gets what is left
 # fp8_ds_mla cache (KV_FP8): the producer dequantizes in registers, so it gets more of them (the consumers the rest).
-FP8_PRODUCER_REGS = int(os.environ.get("SPARSE_MLA_GLUON_FP8_PRODUCER_REGS", "72"))
+FP8_PRODUCER_REGS = int(env.get(env.GLUON_FP8_PRODUCER_REGS))
 FP8_SCHEDULES = ("split", )  # schedules with an fp8_ds_mla variant (D_qk 576, bf16 q: its RoPE part is bf16)
 
 

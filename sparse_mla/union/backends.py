@@ -26,17 +26,17 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
+from .. import env
 from . import cuda_smem, triton_tl
 
 logger = logging.getLogger("sparse_mla")
 
 BACKENDS = ("triton", "cuda_smem")
-ENV_VAR = "SPARSE_MLA_UNION_BACKEND"
+ENV_VAR = env.UNION_BACKEND.name
 MIN_CAPABILITY = (8, 0)
 
 
@@ -56,15 +56,11 @@ class UnionDeviceFacts:
     cupy_error: str | None
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def device_facts(device: torch.device | str) -> UnionDeviceFacts:
     """The facts of ``device`` (CUDA queries are cached by ``cuda_smem``; CuPy is imported only for
     a CUDA device, once)."""
     device = torch.device(device)
-    interp = _interpreted()
+    interp = env.interpreted()
     if device.type != "cuda" or not torch.cuda.is_available():
         return UnionDeviceFacts(device.type, None, 0, interp, None)
     idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -144,7 +140,7 @@ def select_union_backend(device: torch.device | str, group_size: int, topk: int,
     Raises:
         ValueError: as ``choose_union_backend``.
     """
-    return choose_union_backend(os.environ.get(ENV_VAR, "auto"), device_facts(device), group_size, topk,
+    return choose_union_backend(env.get(env.UNION_BACKEND), device_facts(device), group_size, topk,
                                 guard_ratio=guard_ratio, complete=complete)
 
 

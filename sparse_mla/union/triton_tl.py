@@ -17,11 +17,11 @@ chunked variant with plain-store membership bytes (7.0 ms, and racy).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from .. import env
 
 MAX_GROUP_SIZE = 16
 
@@ -259,7 +259,7 @@ def build_union(
     True: forced; raises ValueError (before any launch) where it is not allowed.
     """
     K = indices.shape[1]
-    pred = use_predicated_cas(indices.is_cuda and os.environ.get("TRITON_INTERPRET") != "1", group_size, K, predicated_cas)
+    pred = use_predicated_cas(indices.is_cuda and not env.interpreted(), group_size, K, predicated_cas)
     num_groups = group_start.shape[0]
     if num_groups == 0:
         return

@@ -1,0 +1,102 @@
+"""The environment switches the package reads: one table (``SWITCHES``), one reader (``get``).
+
+Every ``SPARSE_MLA_*`` variable is a row of ``SWITCHES``: its values and default, when it is read ("per call":
+each call reads it, so a changed value applies at once; "at import": read once, when its module is imported),
+the module that owns the decision, and what it does. The owners read their switch through ``get`` and parse the
+value themselves (their docstrings say how). ``markdown_table`` renders the table for the README.
+
+``interpreted`` is the one reader of Triton's ``TRITON_INTERPRET`` (the CPU interpreter), with Triton's own
+parse: "1", "true", "on", "yes", "y" (any case) mean on, anything else off. Triton reads it when a kernel is
+decorated, so it must be set before the first kernel module is imported (``kernels_imported`` says whether one
+is). Imports only ``os`` and ``sys``: a leaf that any module, the CLI included, can import without torch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One environment switch: ``name``, ``default`` (the value when unset), ``values`` (what it takes, in
+    words), ``when`` ("per call" or "at import"), ``owner`` (the module that reads it), ``doc`` (what it does),
+    ``tuning`` (a kernel tuning knob, not for production)."""
+
+    name: str
+    default: str
+    values: str
+    when: str
+    owner: str
+    doc: str
+    tuning: bool = False
+
+
+PATH = Switch(
+    "SPARSE_MLA_PATH", "auto", "auto, dense_mha, masked_mha, mqa_grouped, mqa_per_token", "per call",
+    "sparse_mla.layer.dispatch",
+    "forces the layer path of dsa_prefill when path= is not given; a path that does not support the step falls "
+    "back to the automatic choice with a PathFallbackWarning, an unknown name warns and is ignored")
+MQA_BACKEND = Switch(
+    "SPARSE_MLA_MQA_BACKEND", "auto", "auto, triton, gluon_sm90", "per call", "sparse_mla.mqa.backends",
+    "forces the sparse MQA attention backend; forcing one that does not apply raises ValueError")
+UNION_BACKEND = Switch(
+    "SPARSE_MLA_UNION_BACKEND", "auto", "auto, triton, cuda_smem", "per call", "sparse_mla.union.backends",
+    "forces the top-k union builder; cuda_smem where it cannot run raises ValueError")
+GLUON_SCHEDULE = Switch(
+    "SPARSE_MLA_GLUON_SCHEDULE", "pair", "pair, split", "at import", "sparse_mla.mqa.gluon_sm90",
+    "schedule of the Gluon kernel on bf16 / fp16 caches (an fp8_ds_mla cache always runs split)")
+GLUON_O_VIA_SMEM = Switch(
+    "SPARSE_MLA_GLUON_O_VIA_SMEM", "1", "1, 0", "at import", "sparse_mla.mqa.gluon_sm90",
+    "the Gluon kernel stores O through shared memory (1) or directly (0)", tuning=True)
+GLUON_PERSISTENT = Switch(
+    "SPARSE_MLA_GLUON_PERSISTENT", "1", "1, 0", "at import", "sparse_mla.mqa.gluon_sm90",
+    "the Gluon kernel runs a persistent grid, one CTA per SM (1), or one CTA per work item (0)", tuning=True)
+GLUON_FP8_PRODUCER_REGS = Switch(
+    "SPARSE_MLA_GLUON_FP8_PRODUCER_REGS", "72", "an int", "at import", "sparse_mla.mqa.gluon_sm90",
+    "registers per producer thread of the Gluon kernel's FP8 (fp8_ds_mla) variant", tuning=True)
+
+SWITCHES: tuple[Switch, ...] = (PATH, MQA_BACKEND, UNION_BACKEND, GLUON_SCHEDULE, GLUON_O_VIA_SMEM, GLUON_PERSISTENT,
+                                GLUON_FP8_PRODUCER_REGS)
+
+# The modules that define Triton / Gluon kernels (decorated at import: TRITON_INTERPRET must be set before them).
+KERNEL_MODULES = (
+    "sparse_mla.kernels",
+    "sparse_mla.mqa.triton_tl",
+    "sparse_mla.mqa.gluon_sm90",
+    "sparse_mla.union.triton_tl",
+    "sparse_mla.union.probe",
+)
+
+_TRUE = ("1", "true", "on", "yes", "y")  # Triton's getenv_bool
+
+
+def get(switch: Switch) -> str:
+    """The value of ``switch`` now: the environment's, or its default when unset."""
+    return os.environ.get(switch.name, switch.default)
+
+
+def interpreted() -> bool:
+    """Whether TRITON_INTERPRET is on, as Triton parses it (the one reader of that variable in the package)."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in _TRUE
+
+
+def kernels_imported() -> bool:
+    """Whether a module that defines kernels (``KERNEL_MODULES``) is imported: TRITON_INTERPRET set after that
+    no longer changes how its kernels run."""
+    return any(m == k or m.startswith(k + ".") for m in list(sys.modules) for k in KERNEL_MODULES)
+
+
+def markdown_table() -> str:
+    """``SWITCHES`` as a Markdown table (the README's "Environment switches")."""
+    rows = ["| switch | values (default) | read | what it does |", "|---|---|---|---|"]
+    for s in SWITCHES:
+        doc = ("kernel tuning, not for production: " if s.tuning else "") + s.doc
+        rows.append(f"| `{s.name}` | {s.values} (`{s.default}`) | {s.when} | {doc} (`{s.owner}`) |")
+    return "\n".join(rows) + "\n"
+
+
+__all__ = ["KERNEL_MODULES", "SWITCHES", "Switch", "get", "interpreted", "kernels_imported", "markdown_table", *(
+    "PATH", "MQA_BACKEND", "UNION_BACKEND", "GLUON_SCHEDULE", "GLUON_O_VIA_SMEM", "GLUON_PERSISTENT",
+    "GLUON_FP8_PRODUCER_REGS")]
