@@ -65,6 +65,7 @@ KERNEL_MODULES = (
     "sparse_mla.kernels",
     "sparse_mla.mqa.triton_tl",
     "sparse_mla.mqa.gluon_sm90",
+    "sparse_mla.union.planning",
     "sparse_mla.union.triton_tl",
     "sparse_mla.union.probe",
 )

@@ -9,24 +9,23 @@ selection point per op (``sparse_mla.mqa.backends``) <- these functions, which v
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from .mqa import backends as mqa_backends
 from .mqa.triton_tl import D_V
-from .selection import overlap_guard_ratio, resolve_method
+from .selection import resolve_method
 from .union import backends as union_backends
 from .union import probe as union_probe
-from .union.triton_tl import MAX_GROUP_SIZE, plan_groups
+from .union.grouping import overlap_guard_ratio
+from .union.planning import plan_groups
+from .union.workspace import SparseMLAWorkspace
 from .validation import (
     check_attn_sink_values,
     require_kernel_tensor,
     validate_fwd_buffers,
-    validate_group_union_args,
     validate_sparse_mla_args,
 )
-from .workspace import SparseMLAWorkspace
 
 logger = logging.getLogger("sparse_mla")
 
@@ -211,67 +210,4 @@ def _grouped_forward(p, G: int, ws: SparseMLAWorkspace, out: torch.Tensor, lse: 
     mqa_backends.per_token(p.q, p.kv, p.indices, p.sm_scale, p.topk_length, out, lse, route=route, **extras)
 
 
-@dataclass
-class GroupUnion:
-    """Per-group union of top-k lists (``build_group_union``).
-
-    rows: [num_groups, U] int32, sorted ascending valid rows, -1 after the last.
-    member_mask: [num_groups, U] int32, bit i set iff the row is in query i's list.
-    lengths: [num_groups] int32, union size per group.
-    group_size: G. U = G * K (the no-overlap bound).
-    """
-
-    rows: torch.Tensor
-    member_mask: torch.Tensor
-    lengths: torch.Tensor
-    group_size: int
-
-
-def build_group_union(
-    indices: torch.Tensor,
-    group_size: int,
-    *,
-    topk_length: torch.Tensor | None = None,
-    num_kv_rows: int | None = None,
-) -> GroupUnion:
-    """Union of the top-k lists of ``group_size`` consecutive queries (token-major groups).
-
-    Args:
-        indices: [T, K] (or [T, 1, K]) int32 rows on CUDA (or CPU under TRITON_INTERPRET=1);
-            negative entries, entries past topk_length and entries >= num_kv_rows are padding.
-        group_size: G, 1..16; group g holds queries g*G .. g*G + G - 1; the last may be short.
-        topk_length: optional [T] int32.
-        num_kv_rows: N; rows >= N are dropped (default: no upper bound, 2**31 - 1).
-
-    Returns:
-        GroupUnion with rows / member_mask [ceil(T / G), G * K] int32 and lengths [ceil(T / G)].
-
-    Raises:
-        TypeError: non-tensor or non-int32 indices / topk_length, a group_size or num_kv_rows that is not
-            an int (``validation.validate_group_union_args``). ValueError: bad shapes or devices,
-            group_size out of range, num_kv_rows < 1, CPU tensors without TRITON_INTERPRET=1.
-    """
-    indices, group_size, topk_length, N = validate_group_union_args(indices, group_size, topk_length, num_kv_rows,
-                                                                    MAX_GROUP_SIZE)
-    T, K = indices.shape
-    require_kernel_tensor("indices", indices)
-    indices = indices.contiguous()
-    n_groups = -(-T // group_size)
-    ws = SparseMLAWorkspace(max(T, 1), K, group_size, N, indices.device)
-    gs, gl, ul = ws.group_start[:n_groups], ws.group_len[:n_groups], ws.union_len[:n_groups]
-    rows, bits = ws.union_rows[:n_groups], ws.union_bits[:n_groups]
-    if T > 0:
-        plan_groups(T, group_size, None, gs, gl, ws.route[:T])
-        union_backends.build_union(indices, topk_length, N, group_size, gs, gl, ws.route[:T], ws, rows, bits, ul,
-                                   complete=True)
-    # The kernel's union is unsorted; this inspection API returns it sorted, -1 / 0 after the end.
-    # Stable sort: the union occupies the first union_len slots, so a real row 2**31 - 1 sorts
-    # before the empty slots that carry the same key.
-    in_union = torch.arange(rows.shape[1], device=rows.device)[None, :] < ul[:, None].long()
-    keys, order = torch.where(in_union, rows, torch.iinfo(torch.int32).max).sort(dim=1, stable=True)
-    member = torch.where(in_union, bits, 0).gather(1, order)
-    rows = torch.where(in_union, keys, -1)
-    return GroupUnion(rows, member, ul, group_size)
-
-
-__all__ = ["sparse_mla_fwd", "build_group_union", "GroupUnion", "D_V"]
+__all__ = ["sparse_mla_fwd", "D_V"]

@@ -5,20 +5,9 @@ Thresholds live here, in one table, with where they came from (NOTES-GPU.md has 
 
 from __future__ import annotations
 
-from .workspace import default_group_size
+from .union.grouping import default_group_size
 
 METHODS = ("auto", "per_token", "grouped")
-
-# Overlap guard: a group whose union holds more than this many of its mean list length goes per
-# token. Measured break-even at 16 heads, G = 8, with the Gluon grouped tile against the per-token
-# Triton kernel (results/bench-none.json, rev 25cb24a: 16K tokens, no-overlap lists, union ratio 4.26,
-# grouped 9.68-9.81 ms vs per token 9.00-9.13 ms; with the "mid" lists' 1.35 at 5.03-5.17 ms, the
-# grouped step crosses per token near 3.8 lists): 3.8 of 8 lists, expressed as a fraction of G (the
-# no-overlap union) so that it carries over to other G (G = 4: per token runs a half-empty 64-row
-# Gluon tile, break-even ~2 lists), never below GUARD_MIN_LISTS, the guard G = 2 (64 heads, per-token
-# tiles already full) had before (5.8 / 8 * 2; the first, published break-even was 5.8 of 8 lists).
-GUARD_FRACTION_OF_G = 3.8 / 8
-GUARD_MIN_LISTS = 1.45
 
 # method="auto" groups only when a tile holds at least this many queries (G = 128 // H).
 MIN_GROUP_SIZE_FOR_AUTO = 2
@@ -28,12 +17,6 @@ MIN_GROUP_SIZE_FOR_AUTO = 2
 # build (3.5 ms) the grouped step is slower at every overlap measured (9.5 vs 8.3 ms). Until the
 # union build is faster, "auto" runs per token; method="grouped" forces grouping.
 AUTO_GROUPS = False
-
-
-def overlap_guard_ratio(group_size: int) -> float:
-    """Union rows / mean valid rows per query above which a group runs per token
-    (``GUARD_FRACTION_OF_G * group_size``, at least ``GUARD_MIN_LISTS``)."""
-    return max(GUARD_FRACTION_OF_G * group_size, GUARD_MIN_LISTS)
 
 
 def resolve_method(method: str, num_heads: int, num_tokens: int) -> tuple[str, str]:

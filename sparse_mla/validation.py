@@ -521,8 +521,8 @@ def validate_fwd_buffers(
         ValueError: group_size out of range, a negative or non-finite overlap_guard, out / lse of the
             wrong shape, device or layout or overlapping, a workspace on another device or too small.
     """
-    from .union.triton_tl import MAX_GROUP_SIZE
-    from .workspace import SparseMLAWorkspace, default_group_size
+    from .union.grouping import MAX_GROUP_SIZE, default_group_size
+    from .union.workspace import SparseMLAWorkspace
 
     T, H, _ = p.q.shape
     dev = p.q.device

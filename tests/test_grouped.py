@@ -23,7 +23,7 @@ from testlib.problems import cu_seqlens, make_problem, neighbour_rows, poisoned_
 from testlib.tolerances import all_of, assert_matches_reference, assert_same_result
 
 from sparse_mla import SparseMLAWorkspace, default_group_size, selection, sparse_mla_fwd, sparse_mla_ref, validation
-from sparse_mla.selection import overlap_guard_ratio
+from sparse_mla.union.grouping import overlap_guard_ratio
 from sparse_mla.union.triton_tl import hash_table_slots
 
 

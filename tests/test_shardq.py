@@ -249,8 +249,7 @@ def _spy(calls: list, rank: int = 0, wrong_row: WrongRow | None = None):
 def _assert_groups_below_overlap_guard(indices: torch.Tensor, topk_length: torch.Tensor | None, H: int, N: int) -> None:
     """The grouped case must really run grouped: every token-major group of G = 128 // H rows has a
     union (torch.unique) under the overlap guard, so no group falls back to per token."""
-    from sparse_mla.selection import overlap_guard_ratio
-    from sparse_mla.workspace import default_group_size
+    from sparse_mla.union.grouping import default_group_size, overlap_guard_ratio
 
     G = default_group_size(H)
     indices = indices.cpu()

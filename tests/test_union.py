@@ -30,7 +30,8 @@ from testlib.tolerances import all_of
 
 from sparse_mla import SparseMLAWorkspace, build_group_union
 from sparse_mla.union import backends, cuda_smem
-from sparse_mla.union.triton_tl import build_union, hash_table_slots, plan_groups, union_num_warps, use_predicated_cas
+from sparse_mla.union.planning import plan_groups
+from sparse_mla.union.triton_tl import build_union, hash_table_slots, union_num_warps, use_predicated_cas
 
 
 def union_reference(indices: torch.Tensor, G: int, topk_length: torch.Tensor | None, N: int):
@@ -563,7 +564,7 @@ def test_cuda_builder_full_size(backend, G, overlap, guard):
     runs the kernel's source through the emulation (one std::thread per CUDA thread)."""
     if backend == "cuda_smem" and cuda_smem_unavailable():
         pytest.skip(f"the CUDA union builder cannot run here: {cuda_smem_unavailable()}")
-    from sparse_mla.selection import overlap_guard_ratio
+    from sparse_mla.union.grouping import overlap_guard_ratio
     from sparse_mla.workloads import synthetic_batch
 
     K = 2048
@@ -612,7 +613,7 @@ def test_backends_equal_on_gpu(G, overlap, layout, guard):
     why = cuda_smem_unavailable()
     if why is not None:
         pytest.skip(f"the CUDA union builder cannot run here: {why}")
-    from sparse_mla.selection import overlap_guard_ratio
+    from sparse_mla.union.grouping import overlap_guard_ratio
     from sparse_mla.workloads import synthetic_batch
 
     K = 2048
@@ -652,7 +653,7 @@ def test_cuda_builder_in_a_cuda_graph():
     why = cuda_smem_unavailable()
     if why is not None:
         pytest.skip(f"the CUDA union builder cannot run here: {why}")
-    from sparse_mla.selection import overlap_guard_ratio
+    from sparse_mla.union.grouping import overlap_guard_ratio
 
     G, K, T, N = 8, 256, 203, 1 << 24
     gen = torch.Generator(device=DEVICE).manual_seed(7)

@@ -18,24 +18,30 @@ from testlib.device import DEVICE, DTYPE, INT_MAX
 
 import sparse_mla.interface as interface
 import sparse_mla.kernels.masked_mha as masked_mha
+import sparse_mla.union.interface as union_interface
 from sparse_mla import SparseMLAWorkspace, build_group_union, sparse_mla_fwd, sparse_mla_ref
 
 T, H, D, N, K = 3, 2, 576, 16, 4
+# modules whose functions launch kernels (the planner, the union builders, the probe)
+LAUNCHERS = ("sparse_mla.union.planning", "sparse_mla.union.triton_tl", "sparse_mla.union.cuda_smem",
+             "sparse_mla.union.backends", "sparse_mla.union.probe")
 OTHER_DTYPE = torch.float16 if DTYPE == torch.bfloat16 else torch.bfloat16
 
 
 @pytest.fixture
 def no_launch(monkeypatch):
-    """Every kernel launcher imported into sparse_mla.interface fails the test if called."""
+    """Every kernel launcher imported into the interfaces (``sparse_mla_fwd``'s, ``build_group_union``'s) fails the
+    test if called."""
     def launched(*args, **kwargs):
         raise AssertionError("a kernel was launched before the input error was raised")
 
     patched = []
-    for name, obj in list(vars(interface).items()):
-        module = getattr(obj, "__module__", "") or ""
-        if callable(obj) and module.startswith(("sparse_mla.kernels", "sparse_mla.union")):
-            monkeypatch.setattr(interface, name, launched)
-            patched.append(name)
+    for mod in (interface, union_interface):
+        for name, obj in list(vars(mod).items()):
+            module = getattr(obj, "__module__", "") or ""
+            if callable(obj) and not isinstance(obj, type) and module.startswith(LAUNCHERS):
+                monkeypatch.setattr(mod, name, launched)
+                patched.append(f"{mod.__name__}.{name}")
     for name in ("per_token", "grouped"):  # the attention launches go through the backend selection point
         monkeypatch.setattr(interface.mqa_backends, name, launched)
         patched.append(f"mqa_backends.{name}")

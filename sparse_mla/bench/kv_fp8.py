@@ -83,7 +83,7 @@ def run_case(kind: str, H: int, T: int, K: int, N: int, *, dtype: torch.dtype, d
     from ..kv_format import FP8_DS_MLA
     from ..mqa import backends, gluon_sm90, triton_tl
     from ..union import backends as union_backends
-    from ..union.triton_tl import plan_groups
+    from ..union.planning import plan_groups
     from ..workloads import synthetic_batch
     from .timing import time_trials
 

@@ -246,8 +246,9 @@ def _bench_point(cfg: MLAConfig, T: int, *, topk: int, overlap: str, trials: int
     from ..distributed import shardq_sparse_mla_fwd, tp_sparse_mla_fwd
     from ..interface import sparse_mla_fwd
     from ..mqa.reference import sparse_mla_ref
+    from ..union.grouping import default_group_size
+    from ..union.workspace import SparseMLAWorkspace
     from ..workloads.topk import synthetic_topk
-    from ..workspace import SparseMLAWorkspace, default_group_size
 
     W, rank = dist.get_world_size(), dist.get_rank()
     H, D, d_v, K, scale = cfg.num_heads, cfg.d_qk, cfg.d_v, topk, cfg.sm_scale

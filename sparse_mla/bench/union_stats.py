@@ -10,9 +10,10 @@ import torch
 
 from ..layer.config import restrict_to_windows, token_windows
 from ..union import backends as union_backends
-from ..union.triton_tl import plan_groups
+from ..union.grouping import default_group_size
+from ..union.planning import plan_groups
+from ..union.workspace import SparseMLAWorkspace
 from ..validation import counted_entries
-from ..workspace import SparseMLAWorkspace, default_group_size
 from .timing import time_trials
 
 

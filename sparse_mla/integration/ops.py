@@ -57,7 +57,7 @@ def workspace_buffers(workspace) -> list[Tensor]:
 @functools.lru_cache(maxsize=64)
 def _workspace_template(max_tokens: int, topk: int, group_size: int, key64: bool):
     """A workspace of this geometry on the meta device (no memory): its scalar fields and buffer names."""
-    from ..workspace import SparseMLAWorkspace
+    from ..union.workspace import SparseMLAWorkspace
 
     return SparseMLAWorkspace(max_tokens, topk, group_size, 2**31 - 1 if key64 else 1, torch.device("meta"))
 
@@ -152,7 +152,7 @@ def fwd_out(
     ``group_size`` must be the workspace's (default ``default_group_size(H)``, as in ``sparse_mla_fwd``).
     """
     from ..interface import sparse_mla_fwd
-    from ..workspace import default_group_size
+    from ..union.grouping import default_group_size
 
     ws = None
     if workspace:

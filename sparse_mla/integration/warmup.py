@@ -39,11 +39,12 @@ from ..mqa import triton_tl as sparse_mqa
 from ..mqa.backends import GLUON_FEW_HEADS_MAX_TOKENS
 from ..union import backends as union_backends
 from ..union import cuda_smem as union_cuda_smem
+from ..union import planning as union_planning
 from ..union import probe as union_probe
 from ..union import triton_tl as union
-from ..union.triton_tl import MAX_GROUP_SIZE
+from ..union.grouping import MAX_GROUP_SIZE, default_group_size
+from ..union.workspace import SparseMLAWorkspace
 from ..validation import KERNEL_DTYPES, SUPPORTED_D_QK, flatten_kv
-from ..workspace import SparseMLAWorkspace, default_group_size
 from .block_table import convert_req_index_to_global
 
 
@@ -53,7 +54,7 @@ def warmed_kernels() -> dict[str, object]:
     ``sparse_mla_fwd`` on a device where ``sparse_mla.mqa.backends`` selects them."""
     kernels = {
         "sparse_mqa": sparse_mqa._sparse_mqa_fwd_kernel,
-        "plan_groups": union._plan_groups_kernel,
+        "plan_groups": union_planning._plan_groups_kernel,
         "build_union": union._build_union_kernel,
         "union_probe": union_probe._probe_decide_apply_kernel,
         "convert_req_index": index_convert._convert_req_index_kernel,

@@ -32,6 +32,7 @@ import torch
 
 from .. import env
 from . import cuda_smem, triton_tl
+from .grouping import default_group_size, overlap_guard_ratio
 
 logger = logging.getLogger("sparse_mla")
 
@@ -158,9 +159,6 @@ def describe_for_step(num_heads: int, topk: int, device: torch.device | None = N
     """The ``describe_union_backend`` line for a grouped step of ``num_heads`` heads (G =
     ``default_group_size``) and ``topk``, with the default overlap guard, on ``device`` (default: the
     current CUDA device, else the CPU); what ``sparse_mla.layer.explain`` prints."""
-    from ..selection import overlap_guard_ratio
-    from ..workspace import default_group_size
-
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     G = default_group_size(num_heads)

@@ -1,7 +1,7 @@
 """Overlap probe: skip the union build of a step whose groups would all fall back to per token.
 
 The grouped path builds every group's union and routes a group per token when its union holds more
-than the overlap guard allows (``sparse_mla.selection.overlap_guard_ratio``). When the lists of
+than the overlap guard allows (``sparse_mla.union.grouping.overlap_guard_ratio``). When the lists of
 neighbouring queries do not overlap at all (the "none" preset), every group falls back, and the
 full build is pure overhead on top of the per-token pass (0.6-0.7 ms at 8K-16K tokens on the H200,
 7-15% of the step). The probe builds the unions of every ``PROBE_STRIDE``-th planned group first

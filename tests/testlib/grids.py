@@ -8,8 +8,9 @@ CUDA_GRID_LIMITS = (2**31 - 1, 65535, 65535)
 
 def record_launch_grids(monkeypatch) -> list[tuple[str, tuple[int, ...]]]:
     """Replace every Triton / Gluon kernel (module globals named ``*_kernel``) of sparse_mla.mqa (both
-    backends) and sparse_mla.union.triton_tl with a stub that records ``(name, grid)`` and runs nothing; returns the record list.
-    Lets a CPU test check the grids a huge problem would launch without executing it."""
+    backends), sparse_mla.union.planning and sparse_mla.union.triton_tl with a stub that records ``(name, grid)``
+    and runs nothing; returns the record list. Lets a CPU test check the grids a huge problem would launch
+    without executing it."""
     import importlib
 
     grids: list[tuple[str, tuple[int, ...]]] = []
@@ -22,7 +23,8 @@ def record_launch_grids(monkeypatch) -> list[tuple[str, tuple[int, ...]]]:
             grids.append((self.name, tuple(grid)))
             return lambda *args, **kwargs: None
 
-    for mod_name in ("sparse_mla.mqa.triton_tl", "sparse_mla.mqa.gluon_sm90", "sparse_mla.union.triton_tl"):
+    for mod_name in ("sparse_mla.mqa.triton_tl", "sparse_mla.mqa.gluon_sm90", "sparse_mla.union.planning",
+                     "sparse_mla.union.triton_tl"):
         mod = importlib.import_module(mod_name)
         for name in [n for n in vars(mod) if n.endswith("_kernel") and not n.startswith("__")]:
             monkeypatch.setattr(mod, name, _Stub(name))

@@ -12,16 +12,9 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .union import probe as union_probe
-from .union.triton_tl import MAX_GROUP_SIZE, hash_table_slots
-
-
-def default_group_size(num_heads: int) -> int:
-    """G = 128 // H queries per 128-pseudo-head tile, capped at 16 (the union sort width)."""
-    if num_heads < 1:
-        raise ValueError(f"num_heads must be >= 1, got {num_heads}")
-    return max(1, min(16, 128 // num_heads))
-
+from . import probe as union_probe
+from .grouping import MAX_GROUP_SIZE, default_group_size
+from .triton_tl import hash_table_slots
 
 # Union builder programs per SM (each holds one hash table): NOTES-GPU.md, scripts/gpu_tune.py.
 UNION_PROGRAMS_PER_SM = 2

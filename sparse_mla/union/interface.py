@@ -1,0 +1,82 @@
+"""The union's public inspection function, ``build_group_union`` (``sparse_mla.build_group_union``): the per-group
+union of top-k lists with membership bits, sorted, as a ``GroupUnion``. Not on the step path (``sparse_mla_fwd``
+builds its unions in a workspace, unsorted)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..validation import require_kernel_tensor, validate_group_union_args
+from . import backends as union_backends
+from .grouping import MAX_GROUP_SIZE
+from .planning import plan_groups
+from .workspace import SparseMLAWorkspace
+
+
+@dataclass
+class GroupUnion:
+    """Per-group union of top-k lists (``build_group_union``).
+
+    rows: [num_groups, U] int32, sorted ascending valid rows, -1 after the last.
+    member_mask: [num_groups, U] int32, bit i set iff the row is in query i's list.
+    lengths: [num_groups] int32, union size per group.
+    group_size: G. U = G * K (the no-overlap bound).
+    """
+
+    rows: torch.Tensor
+    member_mask: torch.Tensor
+    lengths: torch.Tensor
+    group_size: int
+
+
+def build_group_union(
+    indices: torch.Tensor,
+    group_size: int,
+    *,
+    topk_length: torch.Tensor | None = None,
+    num_kv_rows: int | None = None,
+) -> GroupUnion:
+    """Union of the top-k lists of ``group_size`` consecutive queries (token-major groups).
+
+    Args:
+        indices: [T, K] (or [T, 1, K]) int32 rows on CUDA (or CPU under TRITON_INTERPRET=1);
+            negative entries, entries past topk_length and entries >= num_kv_rows are padding.
+        group_size: G, 1..16; group g holds queries g*G .. g*G + G - 1; the last may be short.
+        topk_length: optional [T] int32.
+        num_kv_rows: N; rows >= N are dropped (default: no upper bound, 2**31 - 1).
+
+    Returns:
+        GroupUnion with rows / member_mask [ceil(T / G), G * K] int32 and lengths [ceil(T / G)].
+
+    Raises:
+        TypeError: non-tensor or non-int32 indices / topk_length, a group_size or num_kv_rows that is not
+            an int (``validation.validate_group_union_args``). ValueError: bad shapes or devices,
+            group_size out of range, num_kv_rows < 1, CPU tensors without TRITON_INTERPRET=1.
+    """
+    indices, group_size, topk_length, N = validate_group_union_args(indices, group_size, topk_length, num_kv_rows,
+                                                                    MAX_GROUP_SIZE)
+    T, K = indices.shape
+    require_kernel_tensor("indices", indices)
+    indices = indices.contiguous()
+    n_groups = -(-T // group_size)
+    ws = SparseMLAWorkspace(max(T, 1), K, group_size, N, indices.device)
+    gs, gl, ul = ws.group_start[:n_groups], ws.group_len[:n_groups], ws.union_len[:n_groups]
+    rows, bits = ws.union_rows[:n_groups], ws.union_bits[:n_groups]
+    if T > 0:
+        plan_groups(T, group_size, None, gs, gl, ws.route[:T])
+        union_backends.build_union(indices, topk_length, N, group_size, gs, gl, ws.route[:T], ws, rows, bits, ul,
+                                   complete=True)
+    # The kernel's union is unsorted; this inspection API returns it sorted, -1 / 0 after the end.
+    # Stable sort: the union occupies the first union_len slots, so a real row 2**31 - 1 sorts
+    # before the empty slots that carry the same key.
+    in_union = torch.arange(rows.shape[1], device=rows.device)[None, :] < ul[:, None].long()
+    keys, order = torch.where(in_union, rows, torch.iinfo(torch.int32).max).sort(dim=1, stable=True)
+    member = torch.where(in_union, bits, 0).gather(1, order)
+    rows = torch.where(in_union, keys, -1)
+    return GroupUnion(rows, member, ul, group_size)
+
+
+
+__all__ = ["GroupUnion", "build_group_union"]
