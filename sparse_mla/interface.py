@@ -12,7 +12,9 @@ import logging
 
 import torch
 
+from .checks import require_kernel_tensor
 from .mqa import backends as mqa_backends
+from .mqa.checks import check_sink_and_max_logits, validate_fwd_buffers, validate_sparse_mla_args
 from .mqa.triton_tl import D_V
 from .selection import resolve_method
 from .union import backends as union_backends
@@ -20,12 +22,6 @@ from .union import probe as union_probe
 from .union.grouping import overlap_guard_ratio
 from .union.planning import plan_groups
 from .union.workspace import SparseMLAWorkspace
-from .validation import (
-    check_attn_sink_values,
-    require_kernel_tensor,
-    validate_fwd_buffers,
-    validate_sparse_mla_args,
-)
 
 logger = logging.getLogger("sparse_mla")
 
@@ -139,7 +135,7 @@ def sparse_mla_fwd(
     T, H, D = p.q.shape
     chosen, reason = resolve_method(method, H, T)
     attn_sink = check_sink_and_max_logits(attn_sink, max_logits, T, H, q.device, check=check)
-    # out / lse / workspace / flags, every one before any launch (validation.validate_fwd_buffers)
+    # out / lse / workspace / flags, every one before any launch (mqa.checks.validate_fwd_buffers)
     G = validate_fwd_buffers(p, return_lse=return_lse, grouped=chosen == "grouped", group_size=group_size,
                              overlap_guard=overlap_guard, out=out, lse=lse, workspace=workspace,
                              extra_outputs={"max_logits": max_logits}, extra_inputs={"attn_sink": attn_sink})
@@ -163,35 +159,6 @@ def sparse_mla_fwd(
         guard = overlap_guard_ratio(G) if overlap_guard == -1.0 else overlap_guard
         _grouped_forward(p, G, ws, out, lse, guard, extras)
     return (out, lse) if return_lse else out
-
-
-def check_sink_and_max_logits(attn_sink: torch.Tensor | None, max_logits: torch.Tensor | None, T: int, H: int,
-                              device: torch.device, *, check: bool = False) -> torch.Tensor | None:
-    """Check ``attn_sink`` ([H] float32) and ``max_logits`` ([T, H] float32, heads contiguous) on ``device``;
-    returns attn_sink made contiguous (the kernels index it by head). ``check``: also read attn_sink's values
-    (``check_attn_sink_values``; syncs the device).
-
-    Raises:
-        TypeError: not a tensor, or not float32. ValueError: wrong shape, device or layout; with check, a NaN
-            attn_sink entry.
-    """
-    for name, x, shape in (("attn_sink", attn_sink, (H,)), ("max_logits", max_logits, (T, H))):
-        if x is None:
-            continue
-        dims = "[H]" if name == "attn_sink" else "[T, H]"
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"{name} must be a float32 tensor {dims}, got {type(x).__name__}")
-        if x.dtype != torch.float32:
-            raise TypeError(f"{name} must be float32 {dims}, got dtype {x.dtype}")
-        if tuple(x.shape) != shape:
-            raise ValueError(f"{name} must be {dims} = {list(shape)}, got shape {tuple(x.shape)}")
-        if x.device != device:
-            raise ValueError(f"{name} is on {x.device} but q is on {device}; all tensors must share one device")
-    if max_logits is not None and H > 1 and max_logits.stride(1) != 1:
-        raise ValueError(f"max_logits must have contiguous heads (stride 1 along dim 1), got strides {max_logits.stride()}")
-    if check and attn_sink is not None:
-        check_attn_sink_values(attn_sink)
-    return None if attn_sink is None else attn_sink.contiguous()
 
 
 def _grouped_forward(p, G: int, ws: SparseMLAWorkspace, out: torch.Tensor, lse: torch.Tensor | None,

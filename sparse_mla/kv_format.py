@@ -284,3 +284,19 @@ def looks_like_fp8_ds_mla(kv: torch.Tensor) -> bool:
 
 __all__ = ["FP8DSMLAFormat", "FP8_DS_MLA", "FP8_DS_MLA_NAME", "KV_FORMATS", "SCALE_FORMATS", "E4M3_MAX", "check_kv_format",
            "looks_like_fp8_ds_mla"]
+
+
+def kv_rows_of_format(kv: object, kv_format: str, d_qk: int, d_qk_name: str, name: str = "kv") -> torch.Tensor:
+    """A cache of ``kv_format`` (not None) checked and viewed as its byte rows [N, row_bytes]
+    (``sparse_mla.kv_format``), for a problem whose D_qk (``d_qk``, named ``d_qk_name`` in messages) must be
+    the format's.
+
+    Raises:
+        TypeError, ValueError: as ``FP8DSMLAFormat.as_rows``; ValueError when d_qk is not the format's D_qk.
+    """
+    fmt = KV_FORMATS[kv_format]
+    rows = fmt.as_rows(kv, name)
+    if d_qk != fmt.d_qk:
+        raise ValueError(f"{d_qk_name} must be {fmt.d_qk} (kv_lora_rank {fmt.kv_lora_rank} + qk_rope_head_dim "
+                         f"{fmt.qk_rope_head_dim}) with kv_format={kv_format!r}, got {d_qk}")
+    return rows

@@ -22,7 +22,8 @@ from testlib.grids import assert_grids_within_cuda_limits, record_launch_grids
 from testlib.problems import cu_seqlens, make_problem, neighbour_rows, poisoned_views, run_checked
 from testlib.tolerances import all_of, assert_matches_reference, assert_same_result
 
-from sparse_mla import SparseMLAWorkspace, default_group_size, selection, sparse_mla_fwd, sparse_mla_ref, validation
+from sparse_mla import SparseMLAWorkspace, checks, default_group_size, selection, sparse_mla_fwd, sparse_mla_ref
+from sparse_mla.mqa import checks as mqa_checks
 from sparse_mla.union.grouping import overlap_guard_ratio
 from sparse_mla.union.triton_tl import hash_table_slots
 
@@ -340,7 +341,8 @@ def test_launch_grids_within_cuda_limits(T, cu, monkeypatch):
     grids = record_launch_grids(monkeypatch)
     # out as a stride-0 view (T x 16 x 512 would be 8.6 GB): the stubbed kernels write nothing, so the check
     # that a written buffer has its own memory per element is switched off for this test only
-    monkeypatch.setattr(validation, "has_self_overlap", lambda x: False)
+    for mod in (checks, mqa_checks):
+        monkeypatch.setattr(mod, "has_self_overlap", lambda x: False)
     H = 16
     q = torch.zeros(1, H, 512, dtype=DTYPE, device=DEVICE).expand(T, H, 512)  # stride-0 rows: no memory
     out = torch.empty(1, H, 512, dtype=DTYPE, device=DEVICE).expand(T, H, 512)

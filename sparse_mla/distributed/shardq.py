@@ -33,7 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..validation import KERNEL_DTYPES, check_tensor, require_bool, require_disjoint, validate_sparse_mla_args
+from ..checks import KERNEL_DTYPES, check_tensor, require_bool, require_disjoint
+from ..mqa.checks import validate_sparse_mla_args
 from .zigzag import zigzag_chunks
 
 logger = logging.getLogger("sparse_mla")

@@ -33,8 +33,8 @@ from __future__ import annotations
 import torch
 
 from .. import env
+from ..checks import check_tensor, require_bool, require_disjoint, require_int
 from ..kv_format import KV_FORMATS, check_kv_format
-from ..validation import check_tensor, require_bool, require_disjoint, require_int
 
 INT32_MAX = 2**31 - 1
 

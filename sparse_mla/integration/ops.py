@@ -30,7 +30,7 @@ import functools
 import torch
 from torch import Tensor
 
-from ..validation import validate_sparse_mla_args
+from ..mqa.checks import validate_sparse_mla_args
 from .block_table import validate_convert_args
 
 

@@ -31,12 +31,14 @@ from dataclasses import dataclass, field
 import torch
 import triton
 
+from ..checks import KERNEL_DTYPES, flatten_kv
 from ..interface import sparse_mla_fwd
 from ..kernels import index_convert
 from ..kv_format import KV_FORMATS, check_kv_format
 from ..mqa import gluon_sm90
 from ..mqa import triton_tl as sparse_mqa
 from ..mqa.backends import GLUON_FEW_HEADS_MAX_TOKENS
+from ..mqa.checks import SUPPORTED_D_QK
 from ..union import backends as union_backends
 from ..union import cuda_smem as union_cuda_smem
 from ..union import planning as union_planning
@@ -44,7 +46,6 @@ from ..union import probe as union_probe
 from ..union import triton_tl as union
 from ..union.grouping import MAX_GROUP_SIZE, default_group_size
 from ..union.workspace import SparseMLAWorkspace
-from ..validation import KERNEL_DTYPES, SUPPORTED_D_QK, flatten_kv
 from .block_table import convert_req_index_to_global
 
 

@@ -29,8 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..host import to_device_async
-from ..validation import (
+from ..checks import (
     KERNEL_DTYPES,
     check_tensor,
     require_disjoint,
@@ -38,6 +37,7 @@ from ..validation import (
     require_int,
     require_kernel_tensor,
 )
+from ..host import to_device_async
 from .online_softmax import online_softmax_step
 
 LOG2E = 1.4426950408889634
@@ -404,7 +404,7 @@ def masked_mha_fwd(
             block_n not a power-of-two multiple of 32, a non-finite sm_scale, a tensor on neither
             CUDA nor the CPU under TRITON_INTERPRET=1.
         TypeError: a non-tensor or a wrong dtype, a bf16 q / k / v under the interpreter (its bf16
-            tl.dot is wrong; ``validation.require_kernel_tensor``), a non-int block_n / num_warps /
+            tl.dot is wrong; ``sparse_mla.checks.require_kernel_tensor``), a non-int block_n / num_warps /
             num_stages.
     """
     for name, x, dims in (("q_nope", q_nope, "[T, H, qk_nope]"), ("q_pe", q_pe, "[T, H, qk_rope]"),

@@ -20,19 +20,18 @@ from dataclasses import dataclass
 import torch
 
 from .. import env
-from ..host import to_device_async
-from ..kv_format import KV_FORMATS, check_kv_format
-from ..validation import (
+from ..checks import (
     NONFINITE_CONTRACT,
     check_tensor,
     counted_entries,
     flatten_kv,
-    kv_rows_of_format,
     nonfinite_rows,
     require_bool,
     require_disjoint,
     require_finite_float,
 )
+from ..host import to_device_async
+from ..kv_format import KV_FORMATS, check_kv_format, kv_rows_of_format
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -181,7 +180,7 @@ def causal_sums(cached: int, new: int, topk: int | None = None) -> int:
 
 def kernels_available(device: torch.device, dtype: torch.dtype | None = None) -> bool:
     """Triton kernels run on CUDA, or on the CPU through the interpreter (TRITON_INTERPRET=1), and not
-    in bf16 under the interpreter (its bf16 tl.dot is wrong; ``validation.require_kernel_tensor``)."""
+    in bf16 under the interpreter (its bf16 tl.dot is wrong; ``sparse_mla.checks.require_kernel_tensor``)."""
     interpreted = env.interpreted()
     if dtype == torch.bfloat16 and interpreted:
         return False

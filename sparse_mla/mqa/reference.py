@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..kv_format import KV_FORMATS
-from ..validation import check_attn_sink_values, validate_sparse_mla_args
+from .checks import check_attn_sink_values, validate_sparse_mla_args
 
 
 def sparse_mla_ref(

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..validation import require_kernel_tensor, validate_group_union_args
+from ..checks import check_tensor, require_int, require_kernel_tensor
 from . import backends as union_backends
 from .grouping import MAX_GROUP_SIZE
 from .planning import plan_groups
@@ -29,6 +29,33 @@ class GroupUnion:
     member_mask: torch.Tensor
     lengths: torch.Tensor
     group_size: int
+
+
+def validate_group_union_args(indices: object, group_size: object, topk_length: object, num_kv_rows: object,
+                              max_group_size: int) -> tuple[torch.Tensor, int, torch.Tensor | None, int]:
+    """The arguments of ``build_group_union``, checked before any launch.
+
+    Returns:
+        (indices [T, K] view, G, topk_length contiguous or None, N bound: num_kv_rows or 2**31 - 1).
+
+    Raises:
+        TypeError: a non-tensor or non-int32 indices / topk_length, a group_size or num_kv_rows that is
+            not an int (a bool or a float is refused).
+        ValueError: indices not [T, K] / [T, 1, K] with K >= 1, group_size outside [1, max_group_size],
+            topk_length not [T] on indices' device, num_kv_rows < 1.
+    """
+    indices = check_tensor("indices", indices, dims="[T, K] or [T, 1, K]", dtype=torch.int32)
+    if indices.dim() == 3 and indices.shape[1] == 1:
+        indices = indices[:, 0]
+    if indices.dim() != 2 or indices.shape[1] < 1:
+        raise ValueError(f"indices must be [T, K] or [T, 1, K] with K >= 1, got shape {list(indices.shape)}")
+    G = require_int("group_size", group_size, minimum=1, maximum=max_group_size)
+    T = indices.shape[0]
+    if topk_length is not None:
+        topk_length = check_tensor("topk_length", topk_length, dims="[T]", shape=(T,), dtype=torch.int32,
+                                   device=indices.device).contiguous()
+    N = 2**31 - 1 if num_kv_rows is None else require_int("num_kv_rows", num_kv_rows, minimum=1)
+    return indices, G, topk_length, N
 
 
 def build_group_union(
@@ -52,7 +79,7 @@ def build_group_union(
 
     Raises:
         TypeError: non-tensor or non-int32 indices / topk_length, a group_size or num_kv_rows that is not
-            an int (``validation.validate_group_union_args``). ValueError: bad shapes or devices,
+            an int (``validate_group_union_args``). ValueError: bad shapes or devices,
             group_size out of range, num_kv_rows < 1, CPU tensors without TRITON_INTERPRET=1.
     """
     indices, group_size, topk_length, N = validate_group_union_args(indices, group_size, topk_length, num_kv_rows,
