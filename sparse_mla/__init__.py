@@ -24,12 +24,12 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "sparse_mla_fwd": "sparse_mla.interface",
+    "sparse_mla_fwd": "sparse_mla.mqa.interface",
     "build_group_union": "sparse_mla.union.interface",
     "GroupUnion": "sparse_mla.union.interface",
     "sparse_mla_ref": "sparse_mla.mqa.reference",
-    "flash_mla_sparse_fwd": "sparse_mla.flashmla_compat",
-    "flash_mla_sparse_ref": "sparse_mla.flashmla_compat",
+    "flash_mla_sparse_fwd": "sparse_mla.mqa.flashmla_compat",
+    "flash_mla_sparse_ref": "sparse_mla.mqa.flashmla_compat",
     "SparseMLAWorkspace": "sparse_mla.union.workspace",
     "default_group_size": "sparse_mla.union.grouping",
     "dsa_prefill": "sparse_mla.layer",

@@ -63,6 +63,7 @@ SWITCHES: tuple[Switch, ...] = (PATH, MQA_BACKEND, UNION_BACKEND, GLUON_SCHEDULE
 # The modules that define Triton / Gluon kernels (decorated at import: TRITON_INTERPRET must be set before them).
 KERNEL_MODULES = (
     "sparse_mla.kernels",
+    "sparse_mla.online_softmax",
     "sparse_mla.mqa.triton_tl",
     "sparse_mla.mqa.gluon_sm90",
     "sparse_mla.union.planning",

@@ -22,8 +22,9 @@ from testlib.grids import assert_grids_within_cuda_limits, record_launch_grids
 from testlib.problems import cu_seqlens, make_problem, neighbour_rows, poisoned_views, run_checked
 from testlib.tolerances import all_of, assert_matches_reference, assert_same_result
 
-from sparse_mla import SparseMLAWorkspace, checks, default_group_size, selection, sparse_mla_fwd, sparse_mla_ref
+from sparse_mla import SparseMLAWorkspace, checks, default_group_size, sparse_mla_fwd, sparse_mla_ref
 from sparse_mla.mqa import checks as mqa_checks
+from sparse_mla.mqa import selection
 from sparse_mla.union.grouping import overlap_guard_ratio
 from sparse_mla.union.triton_tl import hash_table_slots
 

@@ -230,7 +230,7 @@ def _spy(calls: list, rank: int = 0, wrong_row: WrongRow | None = None):
     """attn_fn that records what it was handed, poisons the output buffers it must write with NaN,
     then runs sparse_mla_fwd into them; on rank ``wrong_row[0]`` it then scales output row
     ``wrong_row[1:]`` by WRONG_ROW_FACTOR."""
-    from sparse_mla.interface import sparse_mla_fwd
+    from sparse_mla.mqa.interface import sparse_mla_fwd
 
     def attn_fn(q, kv, indices, sm_scale, **kwargs):
         calls.append(dict(q=q.clone(), indices=indices.clone(), **kwargs))
@@ -267,7 +267,7 @@ def _assert_groups_below_overlap_guard(indices: torch.Tensor, topk_length: torch
 def _run_case(case: Case, rank: int, W: int, backend: Backend, wrong_row: WrongRow | None = None) -> None:
     """One case on this rank: every collective first (ShardQ, the gathers), then the checks, so a failing
     check leaves no peer inside a collective. ``wrong_row``: see ``_spy``."""
-    from sparse_mla.interface import sparse_mla_fwd
+    from sparse_mla.mqa.interface import sparse_mla_fwd
 
     dtype, dev = backend.dtype, backend.device(rank)
     q, kv, indices, topk_length, scale = build_problem(case, backend=backend, rank=rank)
@@ -653,7 +653,7 @@ def test_tp_baseline_all_padding_rows():
 def test_tp_and_shardq_bad_arguments(change, exc, match, monkeypatch):
     """The checks both entry points share (``_check_common``), in-process: they run before any collective
     or launch (no process group is started)."""
-    import sparse_mla.interface as interface
+    import sparse_mla.mqa.interface as interface
 
     monkeypatch.setattr(interface, "sparse_mla_fwd", lambda *a, **k: pytest.fail("attention ran on a bad argument"))
     p = make_problem(5, 4, 16, 64, seed=4)

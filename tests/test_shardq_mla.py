@@ -72,7 +72,7 @@ def _recorder(latents: list, rank: int = 0, wrong_row: WrongRow | None = None):
     """attn_fn that runs sparse_mla_fwd and keeps a copy of each latent output [rows, heads, R] it computed; on rank
     ``wrong_row[0]`` it first scales latent row ``wrong_row[1:]`` of each call that has that row by
     WRONG_ROW_FACTOR (see test_shardq._spy)."""
-    from sparse_mla.interface import sparse_mla_fwd
+    from sparse_mla.mqa.interface import sparse_mla_fwd
 
     def attn_fn(q, kv, indices, sm_scale, **kwargs):
         res = sparse_mla_fwd(q, kv, indices, sm_scale, **kwargs)

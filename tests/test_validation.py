@@ -2,7 +2,7 @@
 
 Every bad input must raise a TypeError (wrong type or dtype) or ValueError (shape, layout, device,
 value) whose message names the argument, before any kernel launch: the ``no_launch`` fixture
-replaces every kernel launcher that ``sparse_mla.interface`` calls with one that fails the test.
+replaces every kernel launcher that ``sparse_mla.mqa.interface`` calls with one that fails the test.
 Device mismatch is tested with a ``meta`` tensor, so it needs no second device. bf16 under the
 interpreter (whose bf16 tl.dot is silently wrong) is refused with a TypeError, for ``sparse_mla_fwd``
 and the masked-MHA kernel entry.
@@ -16,8 +16,8 @@ import pytest
 import torch
 from testlib.device import DEVICE, DTYPE, INT_MAX
 
-import sparse_mla.interface as interface
 import sparse_mla.kernels.masked_mha as masked_mha
+import sparse_mla.mqa.interface as interface
 import sparse_mla.union.interface as union_interface
 from sparse_mla import SparseMLAWorkspace, build_group_union, sparse_mla_fwd, sparse_mla_ref
 

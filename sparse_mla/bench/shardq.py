@@ -244,7 +244,7 @@ def _bench_point(cfg: MLAConfig, T: int, *, topk: int, overlap: str, trials: int
                  check: bool, min_tokens: int, device: torch.device, dtype: torch.dtype) -> list[dict]:
     """Every variant at one (model, T) on this rank; returns the rows (the same on every rank)."""
     from ..distributed import shardq_sparse_mla_fwd, tp_sparse_mla_fwd
-    from ..interface import sparse_mla_fwd
+    from ..mqa.interface import sparse_mla_fwd
     from ..mqa.reference import sparse_mla_ref
     from ..union.grouping import default_group_size
     from ..union.workspace import SparseMLAWorkspace

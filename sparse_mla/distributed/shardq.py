@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from ..checks import KERNEL_DTYPES, check_tensor, require_bool, require_disjoint
 from ..mqa.checks import validate_sparse_mla_args
+from ..mqa.selection import METHODS
 from .zigzag import zigzag_chunks
 
 logger = logging.getLogger("sparse_mla")
@@ -73,7 +74,7 @@ class _Stopwatch:
 def _default_attn_fn() -> AttnFn:
     # Imported on first use so that importing sparse_mla.distributed does not decorate the
     # Triton kernels (TRITON_INTERPRET must be set before that on CPU).
-    from ..interface import sparse_mla_fwd
+    from ..mqa.interface import sparse_mla_fwd
 
     return sparse_mla_fwd
 
@@ -98,8 +99,6 @@ def _check_common(q_local, kv, indices, sm_scale, topk_length, d_v, num_real_tok
     if attn_fn is not None and not callable(attn_fn):
         raise TypeError(f"attn_fn must be callable like sparse_mla_fwd, got {type(attn_fn).__name__}")
     if attn_fn is None:  # else the attention would raise only after the q exchange
-        from ..selection import METHODS  # on first use: it imports the kernel modules
-
         if method not in METHODS:
             raise ValueError(f"method must be one of {METHODS} (sparse_mla_fwd's), got {method!r}")
     require_bool("return_lse", return_lse)

@@ -114,7 +114,7 @@ def fwd(
     kv_format: str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``sparse_mla_fwd(..., return_lse=True)`` as a custom op: returns new (out [T, H, d_v], lse [T, H] fp32)."""
-    from ..interface import sparse_mla_fwd
+    from ..mqa.interface import sparse_mla_fwd
 
     out, lse = sparse_mla_fwd(q, kv, indices, sm_scale, d_v=d_v, topk_length=topk_length, return_lse=True,
                               method=method, cu_seqlens_q=cu_seqlens_q, group_size=group_size, kv_format=kv_format)
@@ -151,7 +151,7 @@ def fwd_out(
     ``workspace`` is ``workspace_buffers(ws)`` or ``[]`` (scratch allocated per call);
     ``group_size`` must be the workspace's (default ``default_group_size(H)``, as in ``sparse_mla_fwd``).
     """
-    from ..interface import sparse_mla_fwd
+    from ..mqa.interface import sparse_mla_fwd
     from ..union.grouping import default_group_size
 
     ws = None

@@ -32,13 +32,13 @@ import torch
 import triton
 
 from ..checks import KERNEL_DTYPES, flatten_kv
-from ..interface import sparse_mla_fwd
 from ..kernels import index_convert
 from ..kv_format import KV_FORMATS, check_kv_format
 from ..mqa import gluon_sm90
 from ..mqa import triton_tl as sparse_mqa
 from ..mqa.backends import GLUON_FEW_HEADS_MAX_TOKENS
 from ..mqa.checks import SUPPORTED_D_QK
+from ..mqa.interface import sparse_mla_fwd
 from ..union import backends as union_backends
 from ..union import cuda_smem as union_cuda_smem
 from ..union import planning as union_planning

@@ -38,7 +38,7 @@ from ..checks import (
     require_kernel_tensor,
 )
 from ..host import to_device_async
-from .online_softmax import online_softmax_step
+from ..online_softmax import online_softmax_step
 
 LOG2E = 1.4426950408889634
 META_COLS = 8  # q_start, q_len, pos0, kv_start, kpe_row0, word_base, n_words, request

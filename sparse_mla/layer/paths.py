@@ -247,7 +247,7 @@ def absorbed_mqa(p: DSAPrefillProblem, out: torch.Tensor, method: str, q_heads: 
             the benchmark passes FlashMLA's kernel behind an adapter when it is installed). It receives
             ``kv_format=`` only for an FP8 cache (then the rows are the cache's bytes).
     """
-    from ..interface import sparse_mla_fwd
+    from ..mqa.interface import sparse_mla_fwd
 
     attention = attention or sparse_mla_fwd
 

@@ -8,5 +8,7 @@
 * ``backends``: the one selection point that picks the backend by device, dtype, layout and Triton
   version, and says why.
 
-The public function is ``sparse_mla.sparse_mla_fwd`` (``sparse_mla.interface``).
+* ``interface``: the public function ``sparse_mla_fwd`` (``sparse_mla.sparse_mla_fwd``); ``checks``: its argument
+  checks; ``selection``: per-token or grouped for ``method="auto"``.
+* ``flashmla_compat``: ``flash_mla_sparse_fwd``, the drop-in for FlashMLA's call, with its reference.
 """

@@ -220,7 +220,7 @@ def _sink_fallback(name: str, why: str, attn_sink, max_logits) -> tuple[str, str
 
 def per_token(q, kv, indices, sm_scale: float, topk_length, out, lse, route=None, *,
               attn_sink=None, max_logits=None) -> str:
-    """Per-token sparse MQA on validated tensors (``sparse_mla.interface.sparse_mla_fwd``): picks the
+    """Per-token sparse MQA on validated tensors (``sparse_mla.mqa.interface.sparse_mla_fwd``): picks the
     backend, logs it, launches, and returns the backend's name.
 
     attn_sink: [H] fp32 contiguous or None; max_logits: [T, H] fp32 (heads contiguous) or None, written

@@ -33,8 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kernels.online_softmax import online_softmax_step
 from ..kv_format import FP8_DS_MLA
+from ..online_softmax import online_softmax_step
 
 LOG2E = 1.4426950408889634
 D_V = 512

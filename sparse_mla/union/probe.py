@@ -16,7 +16,7 @@ short wave). With ``cu_seqlens_q`` the planned slots are the workspace's (``max_
 empty in a short step), so the decision also needs ``PROBE_MIN_GROUPS // PROBE_STRIDE`` non-empty probed
 groups (``probe_min_live``), as a token-major step of ``PROBE_MIN_GROUPS`` groups has: a short step under a
 large workspace is not sent per token on the word of one group.
-Semantics: ``sparse_mla.interface.sparse_mla_fwd`` (method="grouped").
+Semantics: ``sparse_mla.mqa.interface.sparse_mla_fwd`` (method="grouped").
 """
 
 from __future__ import annotations

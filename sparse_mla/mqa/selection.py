@@ -1,11 +1,13 @@
-"""Choosing between the per-token and the grouped sparse MQA kernels (plain Python, CPU-testable).
+"""The method of ``sparse_mla_fwd(method="auto")``: per-token or grouped sparse MQA (plain Python, CPU-testable).
 
-Thresholds live here, in one table, with where they came from (NOTES-GPU.md has the runs).
+This module holds that one decision (``resolve_method``, ``AUTO_GROUPS``, ``MIN_GROUP_SIZE_FOR_AUTO``); the layer's
+path, the attention backend and the union builder are decided elsewhere (docs/decisions.md lists each with its
+switch and result file).
 """
 
 from __future__ import annotations
 
-from .union.grouping import default_group_size
+from ..union.grouping import default_group_size
 
 METHODS = ("auto", "per_token", "grouped")
 

@@ -1,9 +1,9 @@
-"""Public entry points: ``sparse_mla_fwd`` and ``build_group_union``.
+"""The op's public function, ``sparse_mla_fwd`` (``sparse_mla.sparse_mla_fwd``).
 
 Layering: kernels by backend (``sparse_mla.mqa``: Triton ``triton_tl`` and Gluon ``gluon_sm90``;
 ``sparse_mla.union``) <- launchers that take validated tensors and workspace buffers <- one
-selection point per op (``sparse_mla.mqa.backends``) <- these functions, which validate, allocate
-(unless given a workspace and outputs) and pick the method (per token or grouped).
+selection point per op (``sparse_mla.mqa.backends``) <- this function, which validates (``checks``), allocates
+(unless given a workspace and outputs) and picks the method (per token or grouped, ``selection``).
 """
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ import logging
 
 import torch
 
-from .checks import require_kernel_tensor
-from .mqa import backends as mqa_backends
-from .mqa.checks import check_sink_and_max_logits, validate_fwd_buffers, validate_sparse_mla_args
-from .mqa.triton_tl import D_V
+from ..checks import require_kernel_tensor
+from ..union import backends as union_backends
+from ..union import probe as union_probe
+from ..union.grouping import overlap_guard_ratio
+from ..union.planning import plan_groups
+from ..union.workspace import SparseMLAWorkspace
+from . import backends as mqa_backends
+from .checks import check_sink_and_max_logits, validate_fwd_buffers, validate_sparse_mla_args
 from .selection import resolve_method
-from .union import backends as union_backends
-from .union import probe as union_probe
-from .union.grouping import overlap_guard_ratio
-from .union.planning import plan_groups
-from .union.workspace import SparseMLAWorkspace
+from .triton_tl import D_V
 
 logger = logging.getLogger("sparse_mla")
 
@@ -86,7 +86,7 @@ def sparse_mla_fwd(
         out / lse: optional preallocated outputs, [T, H, d_v] q.dtype and [T, H] fp32.
         group_size: queries per group (default ``default_group_size(H)``, 1..16).
         overlap_guard: union rows / mean list length above which a group runs per token;
-            -1 = the default table (``selection.overlap_guard_ratio``), None = no guard.
+            -1 = the default table (``sparse_mla.union.grouping.overlap_guard_ratio``), None = no guard.
         attn_sink: optional [H] float32 on q's device: a per-head sink logit (natural units) added
             to the softmax denominator of out, out[t, h] *= 1 / (1 + exp(attn_sink[h] - lse[t, h]));
             -inf changes nothing, +inf gives out 0. lse and max_logits do not include it. A NaN entry
@@ -135,7 +135,7 @@ def sparse_mla_fwd(
     T, H, D = p.q.shape
     chosen, reason = resolve_method(method, H, T)
     attn_sink = check_sink_and_max_logits(attn_sink, max_logits, T, H, q.device, check=check)
-    # out / lse / workspace / flags, every one before any launch (mqa.checks.validate_fwd_buffers)
+    # out / lse / workspace / flags, every one before any launch (checks.validate_fwd_buffers)
     G = validate_fwd_buffers(p, return_lse=return_lse, grouped=chosen == "grouped", group_size=group_size,
                              overlap_guard=overlap_guard, out=out, lse=lse, workspace=workspace,
                              extra_outputs={"max_logits": max_logits}, extra_inputs={"attn_sink": attn_sink})

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from ..kv_format import looks_like_fp8_ds_mla
 from .interface import sparse_mla_fwd
-from .kv_format import looks_like_fp8_ds_mla
-from .mqa.reference import sparse_mla_ref
+from .reference import sparse_mla_ref
 
 _INF = float("inf")
 
