@@ -62,13 +62,14 @@ SWITCHES: tuple[Switch, ...] = (PATH, MQA_BACKEND, UNION_BACKEND, GLUON_SCHEDULE
 
 # The modules that define Triton / Gluon kernels (decorated at import: TRITON_INTERPRET must be set before them).
 KERNEL_MODULES = (
-    "sparse_mla.kernels",
     "sparse_mla.online_softmax",
     "sparse_mla.mqa.triton_tl",
     "sparse_mla.mqa.gluon_sm90",
     "sparse_mla.union.planning",
     "sparse_mla.union.triton_tl",
     "sparse_mla.union.probe",
+    "sparse_mla.layer.masked_mha",
+    "sparse_mla.integration.index_convert",
 )
 
 _TRUE = ("1", "true", "on", "yes", "y")  # Triton's getenv_bool

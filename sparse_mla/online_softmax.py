@@ -1,5 +1,5 @@
 """The online-softmax update of the portable Triton attention kernels (``sparse_mla.mqa.triton_tl`` and
-``sparse_mla.kernels.masked_mha``), written once.
+``sparse_mla.layer.masked_mha``), written once.
 
 Base 2: logits arrive already multiplied by ``sm_scale * log2(e)``, masked entries as -inf. A row that has seen
 no valid key keeps max -inf; its exponentials are taken against 0 so that no (-inf) - (-inf) appears, which keeps

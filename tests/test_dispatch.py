@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from testlib.tolerances import all_of
 
 from sparse_mla.layer import dispatch
-from sparse_mla.layer.config import PrefillStep, causal_sums
 from sparse_mla.layer.dispatch import PATH_NAMES, PathFallbackWarning, choose_path, explain
+from sparse_mla.layer.problem import PrefillStep, causal_sums
 from sparse_mla.workloads.models import MODELS
 
 TOPK = 2048
@@ -323,7 +323,7 @@ def test_bf16_under_the_interpreter_declines_the_kernel_paths(monkeypatch):
     then runs dense MHA when that is exact, or fails with every path's reason), never garbage."""
     import torch
 
-    from sparse_mla.layer.config import kernels_available
+    from sparse_mla.layer.problem import kernels_available
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     cpu = torch.device("cpu")

@@ -33,7 +33,7 @@ from testlib.tolerances import (
 
 from sparse_mla import dsa_prefill, dsa_prefill_ref, sparse_mla_fwd, sparse_mla_ref
 from sparse_mla.kv_format import FP8_DS_MLA, check_kv_format
-from sparse_mla.layer.config import validate_dsa_prefill_args
+from sparse_mla.layer.checks import validate_dsa_prefill_args
 
 FMT = FP8_DS_MLA
 FP8 = "fp8_ds_mla"

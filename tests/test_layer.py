@@ -23,7 +23,8 @@ from testlib.tolerances import LAYER_ROW_TOLERANCE, all_of, assert_rows_close, r
 
 from sparse_mla.layer import PathFallbackWarning, SparseMLAPrefill, dsa_prefill, dsa_prefill_ref, explain
 from sparse_mla.layer import paths as layer_paths
-from sparse_mla.layer.config import token_windows, validate_dsa_prefill_args
+from sparse_mla.layer.checks import validate_dsa_prefill_args
+from sparse_mla.layer.problem import token_windows
 from sparse_mla.layer.reference import masked_attention_ref, window_allowed_ref
 from sparse_mla.workloads.models import MODELS
 
@@ -406,7 +407,7 @@ def _concentrated_case() -> tuple[dict, torch.Tensor]:
 
 
 def test_key_bitmask_matches_reference():
-    from sparse_mla.kernels.masked_mha import build_key_bitmask, plan_masked_mha, unpack_key_bitmask
+    from sparse_mla.layer.masked_mha import build_key_bitmask, plan_masked_mha, unpack_key_bitmask
 
     for case in (CASES[6], CASES[3]):
         kw, _ = build(case)
@@ -422,7 +423,7 @@ def test_key_bitmask_matches_reference():
 
 
 def test_masked_kernel_skips_empty_tiles():
-    from sparse_mla.kernels.masked_mha import build_key_bitmask, masked_mha_fwd, plan_masked_mha, tile_occupancy
+    from sparse_mla.layer.masked_mha import build_key_bitmask, masked_mha_fwd, plan_masked_mha, tile_occupancy
 
     kw, ref = _concentrated_case()
     p = validate_dsa_prefill_args(**kw)
@@ -455,7 +456,7 @@ def test_masked_kernel_skips_empty_tiles():
 def test_host_copies_refuse_cuda_graph_capture(monkeypatch):
     """A pinned non-blocking copy captured into a CUDA graph would replay stale host data: refused
     with a message pointing at the capturable entry point (checked before touching CUDA)."""
-    from sparse_mla.host import to_device_async
+    from sparse_mla.layer.host import to_device_async
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="cannot be captured"):

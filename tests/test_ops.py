@@ -13,7 +13,10 @@ from testlib.problems import make_problem, neighbour_rows, poisoned_out
 from testlib.tolerances import all_of, assert_matches_reference
 
 from sparse_mla import SparseMLAWorkspace, sparse_mla_fwd, sparse_mla_ref
-from sparse_mla.integration import ops  # noqa: F401  (registers torch.ops.sparse_mla.*)
+from sparse_mla.integration import (
+    index_convert,
+    ops,  # noqa: F401  (registers torch.ops.sparse_mla.*)
+)
 from sparse_mla.integration.block_table import convert_req_index_to_global_ref
 from sparse_mla.integration.ops import workspace_buffers
 from sparse_mla.integration.warmup import (
@@ -24,7 +27,6 @@ from sparse_mla.integration.warmup import (
     step_shape_reps,
     warmup,
 )
-from sparse_mla.kernels import index_convert
 
 H, K, N = 32, 32, 120  # G = 4
 

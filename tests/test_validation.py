@@ -16,7 +16,7 @@ import pytest
 import torch
 from testlib.device import DEVICE, DTYPE, INT_MAX
 
-import sparse_mla.kernels.masked_mha as masked_mha
+import sparse_mla.layer.masked_mha as masked_mha
 import sparse_mla.mqa.interface as interface
 import sparse_mla.union.interface as union_interface
 from sparse_mla import SparseMLAWorkspace, build_group_union, sparse_mla_fwd, sparse_mla_ref

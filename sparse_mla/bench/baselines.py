@@ -26,9 +26,10 @@ import dataclasses
 import torch
 
 from ..kv_format import KV_FORMATS
-from ..layer.config import DSAPrefillProblem, PrefillStep, token_windows, validate_dsa_prefill_args
+from ..layer.checks import validate_dsa_prefill_args
 from ..layer.dispatch import PATH_NAMES
 from ..layer.paths import SparseMQA, absorbed_mqa, window_rows
+from ..layer.problem import DSAPrefillProblem, PrefillStep, token_windows
 
 PAD64_NAME = "mqa_per_token_pad64"
 DEQUANT_NAME = "mqa_per_token_dequant"  # FP8 cache runs only: dequantize the windows to bf16, then the bf16 kernel

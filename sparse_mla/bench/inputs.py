@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from ..layer.config import PrefillStep, validate_dsa_prefill_args
+from ..layer.checks import validate_dsa_prefill_args
+from ..layer.problem import PrefillStep
 from ..workloads.models import MLAConfig
 
 
@@ -127,7 +128,7 @@ def layer_step(inp: dict) -> PrefillStep:
     """The ``PrefillStep`` ``dsa_prefill(**inp)`` decides on (validates the inputs, no sync).
 
     Raises:
-        TypeError, ValueError: as ``sparse_mla.layer.config.validate_dsa_prefill_args``.
+        TypeError, ValueError: as ``sparse_mla.layer.checks.validate_dsa_prefill_args``.
     """
     return validate_dsa_prefill_args(**inp).step
 

@@ -39,8 +39,8 @@ from triton.runtime.errors import OutOfResources
 
 from ..kv_format import KV_FORMATS, check_kv_format
 from ..layer import dsa_prefill, explain
-from ..layer.config import causal_sums
 from ..layer.dispatch import PATH_NAMES, PATHS, sparse_work, work_ratio
+from ..layer.problem import causal_sums
 from ..workloads.traces import TopkTrace
 from .baselines import (
     DEQUANT_NAME,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import counted_entries
-from ..layer.config import restrict_to_windows, token_windows
+from ..layer.problem import restrict_to_windows, token_windows
 from ..union import backends as union_backends
 from ..union.grouping import default_group_size
 from ..union.planning import plan_groups

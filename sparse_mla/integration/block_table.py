@@ -229,7 +229,7 @@ def convert_req_index_to_global(
     counts = valid_counts
     if counts is None and return_valid_counts:
         counts = torch.empty(T, dtype=torch.int32, device=dev)
-    from ..kernels.index_convert import convert_req_index
+    from .index_convert import convert_req_index
 
     convert_req_index(req_id, block_table, topk_local, out, counts, block_size, stride_rows, bound)
     return (out, counts) if return_valid_counts else out

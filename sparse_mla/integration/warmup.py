@@ -13,7 +13,7 @@ variant once on small inputs, through the public entry points (so it follows ker
 * the grouped calls at one representative of every class of the integers that change from step
   to step: the token count T, the group count (the workspace's, or ceil(T / G)), the request
   count B and its power-of-two block (``step_shape_reps``), up to ``max_tokens`` / ``max_requests``;
-* the block-table converter (``kernels.index_convert``), with and without valid counts;
+* the block-table converter (``index_convert``), with and without valid counts;
 * the CUDA union builder (``sparse_mla.union.cuda_smem``, one variant per device, compiled by
   NVRTC through CuPy) wherever ``sparse_mla.union.backends`` can run it.
 
@@ -32,7 +32,6 @@ import torch
 import triton
 
 from ..checks import KERNEL_DTYPES, flatten_kv
-from ..kernels import index_convert
 from ..kv_format import KV_FORMATS, check_kv_format
 from ..mqa import gluon_sm90
 from ..mqa import triton_tl as sparse_mqa
@@ -46,6 +45,7 @@ from ..union import probe as union_probe
 from ..union import triton_tl as union
 from ..union.grouping import MAX_GROUP_SIZE, default_group_size
 from ..union.workspace import SparseMLAWorkspace
+from . import index_convert
 from .block_table import convert_req_index_to_global
 
 

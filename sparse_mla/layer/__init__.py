@@ -2,15 +2,15 @@
 
 * ``dsa_prefill`` / ``SparseMLAPrefill``: the entry point (``prefill.py``).
 * ``choose_path``, ``explain``, ``PATHS``, ``THRESHOLDS``: the dispatcher (``dispatch.py``).
-* ``PrefillStep``: the plain-Python step description the dispatcher decides on (``config.py``).
+* ``PrefillStep``: the plain-Python step description the dispatcher decides on (``problem.py``).
 * ``dsa_prefill_ref``: the fp32 reference every path reproduces (``reference.py``).
 
 Importing this package decorates no Triton kernel (kernel modules load on first use).
 """
 
-from .config import PrefillStep
 from .dispatch import PATH_NAMES, PATHS, THRESHOLDS, PathDecision, PathFallbackWarning, choose_path, explain
 from .prefill import SparseMLAPrefill, dsa_prefill
+from .problem import PrefillStep
 from .reference import dsa_prefill_ref
 
 __all__ = [

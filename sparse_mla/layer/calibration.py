@@ -21,8 +21,8 @@ from dataclasses import replace
 
 from ..workloads.models import MODELS
 from . import dispatch
-from .config import PrefillStep
 from .dispatch import NEVER, PATHS, HeadsThresholds, auto_path, has_cached_prefix, work_ratio
+from .problem import PrefillStep
 
 TOLERANCE = 1.05  # the layer issue: the automatic choice within 5% of the best path
 

@@ -32,8 +32,8 @@ import warnings
 from dataclasses import dataclass, field
 
 from .. import env
-from .config import PrefillStep, causal_sums
 from .paths import MASKED_MHA_MAX_HEAD_DIM, MQA_KV_LORA_RANKS, MQA_ROPE_DIMS, DenseMHA, MaskedMHA, SparseMQA
+from .problem import PrefillStep, causal_sums
 
 logger = logging.getLogger("sparse_mla")
 

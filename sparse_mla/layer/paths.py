@@ -10,7 +10,7 @@ value of ``sparse_mla.layer.reference.dsa_prefill_ref`` up to bf16 rounding:
   decompressed K/V (``torch.nn.functional.scaled_dot_product_attention``, bottom-right causal for
   cached prefixes). No K concatenation when qk_rope is 0: K is a view of the decompressed buffer.
 * ``masked_mha``: causal MHA over the decompressed K/V with each query's top-k as a key mask
-  (``sparse_mla.kernels.masked_mha``), skipping key tiles no query of a block may see.
+  (``sparse_mla.layer.masked_mha``), skipping key tiles no query of a block may see.
 * ``mqa_grouped`` / ``mqa_per_token``: absorb q_nope through W_UK, ``sparse_mla_fwd`` over the
   latent rows (method "grouped" / "per_token", groups inside requests), then W_UV.
 
@@ -33,8 +33,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from ..host import to_device_async
-from .config import DSAPrefillProblem, PrefillStep, restrict_to_windows, token_windows
+from .host import to_device_async
+from .problem import DSAPrefillProblem, PrefillStep, restrict_to_windows, token_windows
 
 logger = logging.getLogger("sparse_mla")
 
@@ -170,8 +170,8 @@ class MaskedMHA:
 
     def run(self, p: DSAPrefillProblem, out: torch.Tensor, tile_counts: torch.Tensor | None = None) -> torch.Tensor:
         """Write o [T, H, v_head_dim] into ``out``; ``tile_counts`` ([n_blocks, H] int32, debug) receives
-        the key tiles each program computed (``kernels.masked_mha.masked_mha_fwd``)."""
-        from ..kernels.masked_mha import build_key_bitmask, default_config, masked_mha_fwd, plan_masked_mha
+        the key tiles each program computed (``masked_mha.masked_mha_fwd``)."""
+        from .masked_mha import build_key_bitmask, default_config, masked_mha_fwd, plan_masked_mha
 
         dn, dv = p.step.qk_nope_head_dim, p.step.v_head_dim
         rows, starts = window_rows(p)

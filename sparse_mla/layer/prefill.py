@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..checks import require_bool, require_finite_float, require_int
-from .config import validate_dsa_prefill_args, validate_dsa_prefill_out
+from .checks import validate_dsa_prefill_args, validate_dsa_prefill_out
 from .dispatch import PATHS, PathDecision, decide_and_log
 
 

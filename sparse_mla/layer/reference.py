@@ -25,7 +25,8 @@ from collections.abc import Sequence
 import torch
 
 from ..mqa.reference import sparse_mla_ref
-from .config import restrict_to_windows, token_windows, validate_dsa_prefill_args
+from .checks import validate_dsa_prefill_args
+from .problem import restrict_to_windows, token_windows
 
 REF_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -114,11 +115,11 @@ def dsa_prefill_ref(
 def window_allowed_ref(indices: torch.Tensor, topk_length: torch.Tensor | None, lo: torch.Tensor, win: torch.Tensor,
                        width: int) -> torch.Tensor:
     """[T, width] bool: token t may see request-local position j (j < win[t] and row lo[t] + j in
-    its counted list). The definition the packed masks of ``kernels.masked_mha`` encode.
+    its counted list). The definition the packed masks of ``masked_mha`` encode.
 
     Args:
         indices: [T, K] int32 global rows; topk_length: optional [T] int32;
-        lo, win: [T] int64 (``config.token_windows``); width: positions per row (>= max window).
+        lo, win: [T] int64 (``problem.token_windows``); width: positions per row (>= max window).
     """
     T, K = indices.shape
     idx = restrict_to_windows(indices, lo, win)

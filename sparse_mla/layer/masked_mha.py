@@ -37,8 +37,8 @@ from ..checks import (
     require_int,
     require_kernel_tensor,
 )
-from ..host import to_device_async
 from ..online_softmax import online_softmax_step
+from .host import to_device_async
 
 LOG2E = 1.4426950408889634
 META_COLS = 8  # q_start, q_len, pos0, kv_start, kpe_row0, word_base, n_words, request
@@ -186,7 +186,7 @@ def plan_masked_mha(
     """Split the new tokens of every request into blocks of ``block_m`` and lay out the mask rows.
 
     Args:
-        cached_lens, new_lens, row_offsets: [B] host ints (``sparse_mla.layer.config``).
+        cached_lens, new_lens, row_offsets: [B] host ints (``sparse_mla.layer.problem``).
         kv_starts: [B] row of each request's position 0 in the decompressed k_nope / v buffers.
         block_m: queries per block (a power of two >= 16).
         device: where the plan's tensors live.
