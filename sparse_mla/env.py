@@ -45,16 +45,16 @@ UNION_BACKEND = Switch(
     "SPARSE_MLA_UNION_BACKEND", "auto", "auto, triton, cuda_smem", "per call", "sparse_mla.union.backends",
     "forces the top-k union builder; cuda_smem where it cannot run raises ValueError")
 GLUON_SCHEDULE = Switch(
-    "SPARSE_MLA_GLUON_SCHEDULE", "pair", "pair, split", "at import", "sparse_mla.mqa.gluon_sm90",
+    "SPARSE_MLA_GLUON_SCHEDULE", "pair", "pair, split", "at import", "sparse_mla.mqa.gluon_sm90.config",
     "schedule of the Gluon kernel on bf16 / fp16 caches (an fp8_ds_mla cache always runs split)")
 GLUON_O_VIA_SMEM = Switch(
-    "SPARSE_MLA_GLUON_O_VIA_SMEM", "1", "1, 0", "at import", "sparse_mla.mqa.gluon_sm90",
+    "SPARSE_MLA_GLUON_O_VIA_SMEM", "1", "1, 0", "at import", "sparse_mla.mqa.gluon_sm90.config",
     "the Gluon kernel stores O through shared memory (1) or directly (0)", tuning=True)
 GLUON_PERSISTENT = Switch(
-    "SPARSE_MLA_GLUON_PERSISTENT", "1", "1, 0", "at import", "sparse_mla.mqa.gluon_sm90",
+    "SPARSE_MLA_GLUON_PERSISTENT", "1", "1, 0", "at import", "sparse_mla.mqa.gluon_sm90.config",
     "the Gluon kernel runs a persistent grid, one CTA per SM (1), or one CTA per work item (0)", tuning=True)
 GLUON_FP8_PRODUCER_REGS = Switch(
-    "SPARSE_MLA_GLUON_FP8_PRODUCER_REGS", "72", "an int", "at import", "sparse_mla.mqa.gluon_sm90",
+    "SPARSE_MLA_GLUON_FP8_PRODUCER_REGS", "72", "an int", "at import", "sparse_mla.mqa.gluon_sm90.config",
     "registers per producer thread of the Gluon kernel's FP8 (fp8_ds_mla) variant", tuning=True)
 
 SWITCHES: tuple[Switch, ...] = (PATH, MQA_BACKEND, UNION_BACKEND, GLUON_SCHEDULE, GLUON_O_VIA_SMEM, GLUON_PERSISTENT,

@@ -44,7 +44,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=f"gluon_sm90 d
 @pytest.fixture(params=gluon_sm90.SCHEDULES, autouse=True)
 def schedule(request, monkeypatch):
     """Every test runs once per Gluon schedule."""
-    monkeypatch.setattr(gluon_sm90, "SCHEDULE", request.param)
+    monkeypatch.setattr(gluon_sm90.config, "SCHEDULE", request.param)
     return request.param
 
 
@@ -158,7 +158,7 @@ def test_persistent_ctas_skip_routed_away_tokens(monkeypatch, H):
     route = torch.zeros(T, dtype=torch.int8)
     route[[0, 5, 6, 7, 20, 23, 34, 36]] = 1  # 23, 34: sentinel / all-invalid rows (adversarial_indices' patterns)
     route, keep = route.to(p.q.device), route.bool().to(p.q.device)
-    monkeypatch.setitem(gluon_sm90._NUM_SMS, str(p.q.device), 3)
+    monkeypatch.setitem(gluon_sm90.launcher._NUM_SMS, str(p.q.device), 3)
     monkeypatch.setenv(backends.ENV_VAR, "gluon_sm90")
     out, lse = poisoned_out(T, H, p.q.dtype)
     assert backends.per_token(p.q, p.kv, p.indices, p.sm_scale, None, out, lse, route) == "gluon_sm90"
@@ -186,7 +186,7 @@ def test_persistent_ctas_over_items_of_every_length(monkeypatch, method, H, K):
         tl_[1::6] = 64  # one tile
         tl_[2::6] = 65  # two tiles, the second with one row
     p = make_problem(T, H, K, N, seed=H * 3 + K, indices=idx, topk_length=tl_)
-    monkeypatch.setitem(gluon_sm90._NUM_SMS, str(p.q.device), 3)
+    monkeypatch.setitem(gluon_sm90.launcher._NUM_SMS, str(p.q.device), 3)
     kw = dict(method=method)
     if method == "grouped":
         kw |= dict(cu_seqlens_q=cu_seqlens([20, 0, 17, 4]), overlap_guard=None)

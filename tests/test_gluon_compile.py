@@ -96,7 +96,7 @@ def test_every_variant_compiles_within_shared_memory(compiled):
 # The persistent kernels keep a few per-item values in local memory across work items (saved once, reloaded once per
 # item, outside the tile loops: tests below), within this budget (split 12-16 B, pair 8 B at triton 3.6).
 SPILL_BUDGET = 32
-# The fp8_ds_mla variants' producer (register-path dequantization at gluon_sm90.FP8_PRODUCER_REGS) saves a few more
+# The fp8_ds_mla variants' producer (register-path dequantization at gluon_sm90.config.FP8_PRODUCER_REGS) saves a few more
 # per-item values the same way; still none inside a tile loop.
 FP8_SPILL_BUDGET = 64
 

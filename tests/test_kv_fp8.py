@@ -279,7 +279,7 @@ def test_fp8_cache_selects_gluon_with_bf16_q_on_hopper(hopper, monkeypatch):
     assert name == "gluon_sm90", why
     assert backends.select_backend(q[:, :16], rows, pseudo_heads=128)[0] == "gluon_sm90"  # grouped tile
     # few heads on many tokens: the Triton kernel's small tiles win on a bf16 cache (split schedule), not on an FP8 one
-    monkeypatch.setattr(gluon_sm90, "SCHEDULE", "split")
+    monkeypatch.setattr(gluon_sm90.config, "SCHEDULE", "split")
     q16 = torch.zeros(backends.GLUON_FEW_HEADS_MAX_TOKENS + 1, 16, 576, dtype=torch.bfloat16)
     assert backends.select_backend(q16, rows)[0] == "gluon_sm90"
     assert backends.select_backend(q16, torch.zeros(100, 576, dtype=torch.bfloat16))[0] == "triton"
@@ -291,7 +291,7 @@ def test_fp8_cache_runs_the_split_schedule_whatever_the_bf16_schedule(hopper, mo
     a dequantizing producer) either way, and its variant is one the package compiles."""
     from sparse_mla.mqa import backends, gluon_sm90
 
-    monkeypatch.setattr(gluon_sm90, "SCHEDULE", schedule)
+    monkeypatch.setattr(gluon_sm90.config, "SCHEDULE", schedule)
     q, rows = _fp8_selection_inputs()
     assert backends.select_backend(q, rows)[0] == "gluon_sm90"
     assert gluon_sm90.schedule_for(True) == "split" and gluon_sm90.schedule_for(False) == schedule
@@ -616,7 +616,7 @@ def test_gluon_fp8_persistent_ctas_walk_many_items(monkeypatch, gluon_launches, 
     tl_ = torch.randint(0, K + 1, (T,), generator=g).to(torch.int32)
     tl_[::7] = 0
     tl_ = tl_.to(DEVICE)
-    monkeypatch.setitem(gluon_sm90._NUM_SMS, str(q.device), 3)
+    monkeypatch.setitem(gluon_sm90.launcher._NUM_SMS, str(q.device), 3)
     kw = dict(method=method) | ({"cu_seqlens_q": cu_seqlens([20, 17]), "overlap_guard": None} if method == "grouped"
                                  else {})
     _fp8_backend_pair(monkeypatch, q, cache, idx, 0.04, topk_length=tl_, **kw)

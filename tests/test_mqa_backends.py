@@ -24,12 +24,12 @@ def test_few_heads_per_tile_stay_on_triton_on_the_split_schedule_only(hopper, mo
     schedule does not (backends.triton_small_tiles_win), and describe_for_device says the same."""
     T = backends.GLUON_FEW_HEADS_MAX_TOKENS + 1
     q, kv = torch.zeros(T, 16, 576, dtype=torch.bfloat16), torch.zeros(100, 576, dtype=torch.bfloat16)
-    monkeypatch.setattr(gluon_sm90, "SCHEDULE", "split")
+    monkeypatch.setattr(gluon_sm90.config, "SCHEDULE", "split")
     name, why = backends.select_backend(q, kv)
     assert name == "triton" and "pseudo-heads per tile" in why and "split schedule" in why
     assert backends.select_backend(q[: T - 1], kv)[0] == "gluon_sm90"  # a short step fills more of the GPU this way
     assert "triton per token" in backends.describe_for_device(q.device, num_heads=16, num_tokens=T)
-    monkeypatch.setattr(gluon_sm90, "SCHEDULE", "pair")
+    monkeypatch.setattr(gluon_sm90.config, "SCHEDULE", "pair")
     assert backends.select_backend(q, kv)[0] == "gluon_sm90"
     assert "triton per token" not in backends.describe_for_device(q.device, num_heads=16, num_tokens=T)
 
@@ -100,7 +100,7 @@ def test_gluon_variant_list_covers_modes_layouts_dtypes_schedules():
     v = gluon_sm90.all_variants()
     fp8 = [x for x in v if x[4]]
     assert len(v) == len(set(v)) == 2 * 2 * 2 * len(gluon_sm90.SCHEDULES) + 2 * len(gluon_sm90.FP8_SCHEDULES)
-    assert {x[3] for x in v} == set(gluon_sm90.SCHEDULES) and gluon_sm90.SCHEDULE in gluon_sm90.SCHEDULES
+    assert {x[3] for x in v} == set(gluon_sm90.SCHEDULES) and gluon_sm90.config.SCHEDULE in gluon_sm90.SCHEDULES
     # the fp8_ds_mla variants: both modes, D_qk 576, bf16 q, on the schedules that have one
     assert sorted((x[0], x[1], x[2], x[3]) for x in fp8) == sorted(
         (g, True, "bf16", sc) for sc in gluon_sm90.FP8_SCHEDULES for g in (False, True))

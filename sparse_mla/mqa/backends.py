@@ -92,7 +92,7 @@ def gluon_sm90_applies(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | No
         bad = [d for d in dims if t.stride(d) % 16]
         if bad:
             return False, (f"{name} stride {t.stride(bad[0])} along dim {bad[0]} is not a multiple of 16 elements "
-                           "(the compiled Gluon variants assume 16-divisible strides, gluon_sm90._ALIGNED)")
+                           "(the compiled Gluon variants assume 16-divisible strides, gluon_sm90.signature.ALIGNED_ARGS)")
     return True, why
 
 

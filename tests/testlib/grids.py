@@ -23,7 +23,7 @@ def record_launch_grids(monkeypatch) -> list[tuple[str, tuple[int, ...]]]:
             grids.append((self.name, tuple(grid)))
             return lambda *args, **kwargs: None
 
-    for mod_name in ("sparse_mla.mqa.triton_tl", "sparse_mla.mqa.gluon_sm90", "sparse_mla.union.planning",
+    for mod_name in ("sparse_mla.mqa.triton_tl", "sparse_mla.mqa.gluon_sm90.launcher", "sparse_mla.union.planning",
                      "sparse_mla.union.triton_tl"):
         mod = importlib.import_module(mod_name)
         for name in [n for n in vars(mod) if n.endswith("_kernel") and not n.startswith("__")]:

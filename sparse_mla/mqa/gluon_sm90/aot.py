@@ -1,0 +1,29 @@
+"""Ahead-of-time compile of one variant for sm_<arch> on a CPU (no GPU needed)."""
+
+from __future__ import annotations
+
+import triton
+
+from . import config
+from .gluon_api import GLUON_IMPORT_ERROR
+from .signature import ALIGNED_ARGS, ARG_NAMES, aot_signature
+
+
+def compile_variant(grouped: bool, has_pe: bool, dtype: str, schedule: str, kv_fp8: bool = False, arch: int = 90):
+    """Compile one variant for ``sm_<arch>`` without a GPU (Triton's front end, LLVM and ptxas run on
+    the CPU); returns the CompiledKernel (``.metadata.shared`` bytes, ``.n_regs`` / ``.n_spills``
+    where the backend fills them, ``.asm["ptx"]``). Raises whatever Triton raises on an API drift or a
+    resource overflow."""
+    if GLUON_IMPORT_ERROR is not None:
+        raise RuntimeError(f"Gluon is not importable: {GLUON_IMPORT_ERROR}")
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from .launcher import _kernel_for
+
+    signature = aot_signature(dtype, kv_fp8)
+    cx = config.variant_constexprs(grouped, has_pe, schedule, kv_fp8)
+    signature.update({k: "constexpr" for k in cx})
+    attrs = {(ARG_NAMES.index(n), ): [["tt.divisibility", 16]] for n in ALIGNED_ARGS}
+    src = GluonASTSource(_kernel_for(schedule), signature, constexprs=cx, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": cx["num_warps"]})
