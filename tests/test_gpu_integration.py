@@ -2,7 +2,7 @@
 no device allocation per step, the custom ops in a CUDA graph and under inductor.
 
 These need a CUDA GPU: the CPU interpreter compiles nothing, captures no graphs and has no caching
-allocator statistics. Run on the GPU box with ``python scripts/gpu_integration.py`` (or pytest).
+allocator statistics. Run on the GPU box with ``python benchmarks/gpu_integration.py`` (or pytest).
 
 Engine set-up shared by the tests (module fixture): H = 16 heads per rank (G = 8), D_qk = 576,
 topk 512, bf16, a cross-layer paged cache [blocks, 2 layers, 64, 576] viewed at layer 1 (block

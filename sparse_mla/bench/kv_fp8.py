@@ -3,7 +3,7 @@
     python -m sparse_mla.bench.kv_fp8 --json out/kv_fp8.json [--sweep-configs] [--variants bf16,fp8]
 
 Per case (per token at each ``--heads``; grouped at each ``--grouped-heads``, G = 128 // H, union built once
-and not timed, as ``scripts/bench_gluon.py`` times it), the rows:
+and not timed, as ``benchmarks/bench_gluon.py`` times it), the rows:
 
 * ``bf16``: the bf16 cache through the selection point (``sparse_mla.mqa.backends``: on an H200 the Gluon kernel,
   pair schedule; the Triton kernel below 32 pseudo-heads on > 1024 tokens when the split schedule is selected).
@@ -21,7 +21,7 @@ and not timed, as ``scripts/bench_gluon.py`` times it), the rows:
 Each row records the ``backend`` the selection point picked for it (and, on the Gluon kernel, its ``schedule``).
 ``--variants`` keeps only the named rows (e.g. ``bf16,fp8`` for a quick A/B).
 
-Inputs (the protocol of ``scripts/bench_gluon.py``): T query tokens over N cache rows, query i taking topk distinct
+Inputs (the protocol of ``benchmarks/bench_gluon.py``): T query tokens over N cache rows, query i taking topk distinct
 uniform rows of [0, N - T + i] per token; grouped: the "mid" synthetic top-k of N - T cached + T new tokens. Every
 row: ms (``timing.time_trials``: do_bench median, L2 flushed), useful TFLOP/s (2 H valid (576 + 512) per query),
 the roofline floor (the larger of the computed FLOPs at 790 TFLOP/s and the gathered bytes at 4.3 TB/s: 1152 B per

@@ -1,6 +1,6 @@
 """Calibration of the dispatcher against a measured crossover sweep (plain Python, no tensors).
 
-A sweep (``scripts/sweep_paths.py`` on the H200, committed as ``results/sweep_paths.json``) holds,
+A sweep (``benchmarks/sweep_paths.py`` on the H200, committed as ``results/sweep_paths.json``) holds,
 per point (model layout, heads per rank, cached + new tokens), the time of every path. This module
 
 * re-evaluates the dispatcher's automatic choice on every measured point (``evaluate``): the chosen

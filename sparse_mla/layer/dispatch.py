@@ -68,14 +68,14 @@ class HeadsThresholds:
 
 
 # ---------------------------------------------------------------------------------------------
-# Crossover thresholds: the ONE table. Measured on an H200 by `python scripts/sweep_paths.py`
+# Crossover thresholds: the ONE table. Measured on an H200 by `python benchmarks/sweep_paths.py`
 # (results/sweep_paths.json): the script prints the rows its timings imply, fitted by
 # sparse_mla.layer.calibration.fit_thresholds so that the automatic choice is within 5% of the
 # best path on every measured point; tests/test_dispatch.py re-checks that on the committed JSON.
 # grouped_min_tokens = NEVER turns grouping off for a bucket; path="mqa_grouped" still forces it.
 # ---------------------------------------------------------------------------------------------
 # results/sweep_paths.json (measured at rev a704472 with the Gluon attention and the CUDA shared-memory union:
-# python scripts/sweep_paths.py --budget-s 240): 120 points, 3 layouts, 16-128 heads, 1K-64K pure prompts and
+# python benchmarks/sweep_paths.py --budget-s 240): 120 points, 3 layouts, 16-128 heads, 1K-64K pure prompts and
 # 2K-28K cached prefixes. This table is fit_thresholds' answer on it; the automatic choice is then the best
 # measured path (within the timing noise, worst 1.00x) at every point. With both new kernels grouping pays
 # at 16 and 32 heads from a few thousand tokens on, behind a cached prefix too (1.2-1.7x over per token at

@@ -27,7 +27,7 @@ SCHEDULES = ("split", "pair")
 # (results/gluon-v12-full.json). An fp8_ds_mla cache always runs split (``schedule_for``): only its producer dequantizes.
 SCHEDULE = env.get(env.GLUON_SCHEDULE)
 # Timing knob of the split schedule (bitmask: 1 no row max, 2 no P.V, 4 no row sum, 8 no Q.K^T, 16 no O rescale):
-# wrong results, only for placing time inside the kernel (scripts/bench_gluon.py --ablate). 0 in production.
+# wrong results, only for placing time inside the kernel (benchmarks/bench_gluon.py --ablate). 0 in production.
 ABLATE = 0
 # O stored through shared memory in 16-byte row-contiguous pieces: split, per-token tiles (results/gluon-v6.json: 413 vs
 # 402 TFLOP/s at 64 heads, 423 vs 408 at 128; its grouped tiles keep the direct store, 2.11 vs 2.07 ms there); pair,

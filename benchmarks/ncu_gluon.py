@@ -2,7 +2,7 @@
 under Nsight Compute, e.g.
 
     ncu --kernel-name regex:sparse_mqa --launch-skip 2 --launch-count 1 --set full \
-        python scripts/ncu_gluon.py --heads 64 --tokens 2048 [--schedule pair|split] [--kv-dtype fp8]
+        python benchmarks/ncu_gluon.py --heads 64 --tokens 2048 [--schedule pair|split] [--kv-dtype fp8]
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--schedule", default=gluon_sm90.SCHEDULE, choices=gluon_sm90.SCHEDULES)
+    ap.add_argument("--schedule", default=gluon_sm90.config.SCHEDULE, choices=gluon_sm90.SCHEDULES)
     ap.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp8"),
                     help="fp8: the cache as fp8_ds_mla rows (ue8m0 scales; an FP8 cache runs the split schedule "
                     "whatever --schedule says: gluon_sm90.schedule_for)")
     a = ap.parse_args()
     os.environ["SPARSE_MLA_MQA_BACKEND"] = "gluon_sm90"
-    gluon_sm90.SCHEDULE = a.schedule
+    gluon_sm90.config.SCHEDULE = a.schedule
     dev = torch.device("cuda")
     T, H, N, K = a.tokens, a.heads, 32768, 2048
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
 """GPU tuning run for the sparse MQA kernels (H200): bf16 correctness, then config sweeps and timings.
 
-Usage on the GPU box:  OUT=out PYTHONPATH=. python3 scripts/gpu_tune.py [--quick]
+Usage on the GPU box:  OUT=out PYTHONPATH=. python3 benchmarks/tune_triton.py [--quick]
 Writes $OUT/tune.json and prints a table. Times: triton.testing.do_bench (CUDA events, L2 flushed
 between runs, median). TFLOP/s of useful work = 2 * H * valid rows * (D_qk + 512) / time.
 """
@@ -23,8 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sparse_mla import SparseMLAWorkspace, build_group_union, sparse_mla_fwd, sparse_mla_ref  # noqa: E402
 from sparse_mla.bench.report import git_revision  # noqa: E402
 from sparse_mla.mqa.triton_tl import sparse_mqa_grouped, sparse_mqa_per_token  # noqa: E402
-from sparse_mla.selection import overlap_guard_ratio  # noqa: E402
-from sparse_mla.union.triton_tl import build_union, plan_groups  # noqa: E402
+from sparse_mla.union.grouping import overlap_guard_ratio  # noqa: E402
+from sparse_mla.union.planning import plan_groups  # noqa: E402
+from sparse_mla.union.triton_tl import build_union  # noqa: E402
 
 DEV = "cuda"
 D_QK, D_V = 576, 512

@@ -1,11 +1,11 @@
-"""Where the time of a short cached step goes (issue 14: 32K cached + 256 / + 900 new tokens, 16 heads).
+"""Where the time of a short cached step goes (32K cached + 256 / + 900 new tokens, 16 heads).
 
 For each layer call the bench times (mqa_per_token, mqa_per_token_pad64, mqa_grouped) and for the bare
 attention call (sparse_mla_fwd on the absorbed q, 16 and 64 heads): the device time (do_bench, L2 flushed,
 the bench's protocol), the host time per call (perf_counter over back-to-back calls, no sync inside), and a
 torch.profiler table of the host ops and device kernels of one call.
 
-    python scripts/profile_short_step.py --json $OUT/short_step.json
+    python benchmarks/profile_short_step.py --json $OUT/short_step.json
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from sparse_mla.bench.baselines import mqa_per_token_pad64
 from sparse_mla.bench.inputs import make_inputs
 from sparse_mla.bench.report import git_revision
 from sparse_mla.layer import dsa_prefill
-from sparse_mla.layer.config import restrict_to_windows, token_windows, validate_dsa_prefill_args
+from sparse_mla.layer.checks import validate_dsa_prefill_args
 from sparse_mla.layer.paths import absorb_queries
+from sparse_mla.layer.problem import restrict_to_windows, token_windows
 from sparse_mla.workloads.models import MODELS
 
 
@@ -95,7 +96,7 @@ def main():
             for name in ("layer mqa_per_token", "layer pad64"):
                 print(f"--- {name}, new {new}")
                 print(profile_table(calls[name]))
-    meta = {"command": "python scripts/profile_short_step.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
+    meta = {"command": "python benchmarks/profile_short_step.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
             "git_revision": git_revision(), "gpu": torch.cuda.get_device_name(), "date":
             datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "torch": torch.__version__, "triton": triton.__version__}

@@ -1,11 +1,11 @@
-"""Two measurements for the pair schedule (session 7), both with their baseline in the same run:
+"""Two measurements for the pair schedule, both with their baseline in the same run:
 
 1. per token at 16 / 32 heads over token counts: the Gluon pair kernel against the Triton kernel (the backend
    selection's few-heads rule, ``backends.triton_small_tiles_win``, was fitted to the split schedule);
 2. grouped tiles with O stored through the Q buffer (row-contiguous 16-byte pieces) against the direct store
-   (``variant_constexprs`` keeps the direct store for grouped tiles).
+   (``gluon_sm90.config.variant_constexprs`` keeps the direct store for grouped tiles).
 
-    python scripts/probe_pair.py --json results/probe-pair.json
+    python benchmarks/probe_pair.py --json results/probe-pair.json
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ def main():
             for r in per_token_rows(H, T, 2048, max(32768, T + 4096), dev, ["gluon_sm90:pair", "triton"]):
                 r["case"] += f" T{T}"
                 rows.append(r)
-    plain = gluon_sm90.variant_constexprs
+    plain = gluon_sm90.config.variant_constexprs
     for via_smem in (False, True):
-        gluon_sm90.variant_constexprs = (lambda *args, **kw: plain(*args, **kw) | {"O_VIA_SMEM": True}) \
+        gluon_sm90.config.variant_constexprs = (lambda *args, **kw: plain(*args, **kw) | {"O_VIA_SMEM": True}) \
             if via_smem else plain
         try:
             for H in (16, 32, 8):
@@ -43,7 +43,7 @@ def main():
                     r["case"] += " O via smem" if via_smem else " O direct"
                     rows.append(r)
         finally:
-            gluon_sm90.variant_constexprs = plain
+            gluon_sm90.config.variant_constexprs = plain
     write_json(a.json, rows)
     print(f"\n{'case':<44} {'backend':<17} {'ms':>8} {'TFLOP/s':>8} {'row err':>8}")
     for r in rows:

@@ -1,6 +1,6 @@
 """Attention-kernel benchmark of the Gluon sm_90 backend against the Triton backend (same run, same tensors).
 
-Protocol of issue 12 (KERNEL-NOTES.md "Measured side by side"): T 8192, topk 2048, 32K kv rows, query i takes
+Protocol (KERNEL-NOTES.md "Measured side by side"): T 8192, topk 2048, 32K kv rows, query i takes
 2048 distinct uniform rows of [0, 24576 + i], unsorted; do_bench median, L2 flushed. Per-token at 128 / 64 heads
 (and 32 / 16 for reference); grouped attention alone (union given, built once by the Triton builder) on the
 "mid" synthetic top-k of 16K cached + 8K new tokens at 16 heads (G = 8), 32 heads (G = 4), 8 heads (G = 16).
@@ -8,7 +8,7 @@ Every row: time, TFLOP/s (per-token: useful FLOPs 2 * H * valid * 1088; grouped:
 2 * 128 * union rows * 1088 per group, and useful), the roofline floor (compute at 790 TFLOP/s; gather at
 4.3 TB/s), and the max relative error per (token, head) row against the fp32 reference on sampled tokens.
 
-    python scripts/bench_gluon.py --json results/gluon-v1.json [--quick] [--variants a,b]
+    python benchmarks/bench_gluon.py --json out/gluon.json [--quick] [--backends gluon_sm90:pair,triton] [--ablate 2,8]
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import triton
 from sparse_mla import SparseMLAWorkspace, sparse_mla_ref
 from sparse_mla.bench.report import git_revision
 from sparse_mla.mqa import backends, gluon_sm90
-from sparse_mla.union.triton_tl import build_union, plan_groups
+from sparse_mla.union.planning import plan_groups
+from sparse_mla.union.triton_tl import build_union
 from sparse_mla.workloads import synthetic_batch
 
 PEAK_TFLOPS, HBM_TBS = 790.0, 4.3
@@ -55,7 +56,7 @@ def use(name):
     backend, _, schedule = name.partition(":")
     os.environ[backends.ENV_VAR] = backend
     if schedule:
-        gluon_sm90.SCHEDULE = schedule
+        gluon_sm90.config.SCHEDULE = schedule
 
 
 def write_json(path, rows):
@@ -154,13 +155,13 @@ def main():
     names = a.backends.split(",")
     rows = []
     for mask in [int(x) for x in a.ablate.split(",") if x]:
-        gluon_sm90.ABLATE = mask
+        gluon_sm90.config.ABLATE = mask
         try:
             for r in per_token_rows(64, 8192, 2048, 32768, dev, ["gluon_sm90:split"]):
                 r["case"] = f"ablate {mask} per_token H64"
                 rows.append(r)
         finally:
-            gluon_sm90.ABLATE = 0
+            gluon_sm90.config.ABLATE = 0
     for H in (() if a.ablate else (128, 64) if a.quick else (128, 64, 32, 16)):
         rows += per_token_rows(H, 8192, 2048, 32768, dev, names)
     for H in (() if a.ablate else (16, ) if a.quick else (16, 32, 8)):

@@ -20,7 +20,7 @@
 Writes a JSON (command, git revision, GPU, date, versions, seed, checks, timings) to --json and prints a
 short table last. Exit status 1 if a check failed. About 1-3 minutes on an H200:
 
-    python3 scripts/gpu_union_cuda.py --json results/union-cuda.json
+    python3 benchmarks/union_cuda.py --json results/union-cuda.json
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sparse_mla import SparseMLAWorkspace  # noqa: E402
 from sparse_mla.bench.report import git_revision  # noqa: E402
-from sparse_mla.selection import overlap_guard_ratio  # noqa: E402
-from sparse_mla.union import backends, cuda_smem, triton_tl  # noqa: E402
+from sparse_mla.union import backends, cuda_smem, planning, triton_tl  # noqa: E402
+from sparse_mla.union.grouping import overlap_guard_ratio  # noqa: E402
 from sparse_mla.workloads import synthetic_batch  # noqa: E402
 
 DEV = torch.device("cuda")
@@ -76,7 +76,7 @@ def run(backend: str, p: Problem, G: int, guard: float | None, ws: SparseMLAWork
     """Plan + build with one backend into ws. Returns (n_groups, planned group_len, cuda TablePlan or None)."""
     n = ws.max_groups if p.cu is not None else -(-p.T // G)
     gs, gl, ul, route = ws.group_start[:n], ws.group_len[:n], ws.union_len[:n], ws.route[:p.T]
-    triton_tl.plan_groups(p.T, G, p.cu, gs, gl, route)
+    planning.plan_groups(p.T, G, p.cu, gs, gl, route)
     planned = gl.clone()
     plan = None
     if backend == "cuda_smem":
@@ -94,17 +94,17 @@ def step_fn(backend: str, p: Problem, G: int, guard: float | None, ws: SparseMLA
     gs, gl, ul, route = ws.group_start[:n], ws.group_len[:n], ws.union_len[:n], ws.route[:p.T]
     if backend == "cuda_smem":
         def f():
-            triton_tl.plan_groups(p.T, G, p.cu, gs, gl, route)
+            planning.plan_groups(p.T, G, p.cu, gs, gl, route)
             cuda_smem.build_union(p.idx, p.valid, p.N, G, gs, gl, route, ws.union_rows, ws.union_bits, ul,
                                   guard_ratio=guard, **cuda_kw)
     elif backend == "triton":
         def f():
-            triton_tl.plan_groups(p.T, G, p.cu, gs, gl, route)
+            planning.plan_groups(p.T, G, p.cu, gs, gl, route)
             triton_tl.build_union(p.idx, p.valid, p.N, G, gs, gl, route, ws.union_tables, ws.union_table_bits,
                                   ws.union_rows, ws.union_bits, ul, guard_ratio=guard)
     else:  # plan only
         def f():
-            triton_tl.plan_groups(p.T, G, p.cu, gs, gl, route)
+            planning.plan_groups(p.T, G, p.cu, gs, gl, route)
     return f
 
 

@@ -2,8 +2,8 @@
 
 Run from the repository root on the GPU machine (writes JSON to $OUT, default ./out):
 
-    OUT=./out python scripts/gpu_integration.py                 # defaults: H 16, topk 2048, 4096 tokens
-    OUT=./out python scripts/gpu_integration.py --skip-pytest --tokens 8192 --requests 8
+    OUT=./out python benchmarks/gpu_integration.py                 # defaults: H 16, topk 2048, 4096 tokens
+    OUT=./out python benchmarks/gpu_integration.py --skip-pytest --tokens 8192 --requests 8
 
 1. ``pytest tests/test_gpu_integration.py`` in a fresh process: per-test outcome and duration
    (warmup then no compilation, CUDA-graph replay == eager, no allocation per step, custom ops in a

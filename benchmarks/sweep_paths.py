@@ -12,8 +12,8 @@ path per point next to the dispatcher's automatic pick, and the thresholds the t
 
 Run on the H200 (torch 2.11 / triton 3.6, bf16), from the repository root:
 
-    OUT=./out python scripts/sweep_paths.py                    # default subset, about 4 minutes
-    OUT=./out python scripts/sweep_paths.py --models glm-5 --heads 16 --budget-s 60
+    OUT=./out python benchmarks/sweep_paths.py                    # default subset, about 4 minutes
+    OUT=./out python benchmarks/sweep_paths.py --models glm-5 --heads 16 --budget-s 60
 
 Points run cheapest first until ``--budget-s`` seconds have passed; the rest are listed as skipped.
 Writes ``$OUT/sweep_paths.json`` (command, git rev, GPU, versions, date, every timing, the implied

@@ -1,8 +1,8 @@
 """Where the FP8 Gluon kernel's time goes: the kv_fp8 bench's bf16 and fp8 rows with parts of the consumer
-switched off (``gluon_sm90.ABLATE``: 2 no P.V, 8 no Q.K^T, 31 every consumer step off), so the producer's own
+switched off (``gluon_sm90.config.ABLATE``: 2 no P.V, 8 no Q.K^T, 31 every consumer step off), so the producer's own
 pace shows. Timing-only (the ablated results are wrong by design).
 
-    python scripts/probe_fp8_producer.py --json out/probe_fp8.json [--heads 64] [--masks 0,10,31]
+    python benchmarks/probe_fp8_producer.py --json out/probe_fp8.json [--heads 64] [--masks 0,10,31]
 """
 
 from __future__ import annotations
@@ -27,19 +27,19 @@ def main() -> None:
     a = ap.parse_args()
     rows = []
     for mask in [int(m) for m in a.masks.split(",")]:
-        gluon_sm90.ABLATE = mask
+        gluon_sm90.config.ABLATE = mask
         for kind, H in (("per_token", a.heads), ("grouped", a.grouped_heads)):
             for r in run_case(kind, H, 8192, 2048, 32768, dtype=torch.bfloat16, device=torch.device("cuda"), trials=2,
                               scale_format="ue8m0", sweep=False):
                 if r["variant"] in ("bf16", "fp8"):
                     r["ablate"] = mask
                     rows.append(r)
-    gluon_sm90.ABLATE = 0
+    gluon_sm90.config.ABLATE = 0
     from sparse_mla.bench.report import git_revision
 
-    meta = dict(command="python scripts/probe_fp8_producer.py " + " ".join(sys.argv[1:]), git_revision=git_revision(),
+    meta = dict(command="python benchmarks/probe_fp8_producer.py " + " ".join(sys.argv[1:]), git_revision=git_revision(),
                 gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                fp8_producer_regs=gluon_sm90.FP8_PRODUCER_REGS)
+                fp8_producer_regs=gluon_sm90.config.FP8_PRODUCER_REGS)
     with open(a.json, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     print(f"{'ablate':>6} {'case':<16} {'variant':<6} {'ms':>8}")
