@@ -5,7 +5,7 @@ Run from the repository root on the GPU machine (writes JSON to $OUT, default ./
     OUT=./out python benchmarks/gpu_integration.py                 # defaults: H 16, topk 2048, 4096 tokens
     OUT=./out python benchmarks/gpu_integration.py --skip-pytest --tokens 8192 --requests 8
 
-1. ``pytest tests/test_gpu_integration.py`` in a fresh process: per-test outcome and duration
+1. ``pytest tests/integration/test_gpu_integration.py`` in a fresh process: per-test outcome and duration
    (warmup then no compilation, CUDA-graph replay == eager, no allocation per step, custom ops in a
    graph and under inductor, bf16 end to end against the fp32 reference).
 2. A realistic engine step in this process: a strided paged cache (2 layers per page), requests
@@ -38,11 +38,11 @@ sys.path.insert(0, str(ROOT))
 
 
 def run_pytest(out_dir: Path) -> dict:
-    """pytest tests/test_gpu_integration.py in a subprocess; per-test outcome from its junit XML."""
+    """pytest tests/integration/test_gpu_integration.py in a subprocess; per-test outcome from its junit XML."""
     junit = out_dir / "gpu_integration_junit.xml"
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider",
-                           "tests/test_gpu_integration.py", f"--junitxml={junit}"],
+                           "tests/integration/test_gpu_integration.py", f"--junitxml={junit}"],
                           cwd=ROOT, capture_output=True, text=True)
     tests = []
     if junit.exists():

@@ -168,7 +168,7 @@ def warmup(
     Call it once per (layer config, dtype, device) at start-up, before capturing CUDA graphs; a
     later ``sparse_mla_fwd`` / ``convert_req_index_to_global`` step with these settings, at most
     ``max_tokens`` rows and ``max_requests`` requests, then compiles nothing (tested on GPU by
-    ``tests/test_gpu_integration.py`` with ``compiled_variant_counts``).
+    ``tests/integration/test_gpu_integration.py`` with ``compiled_variant_counts``).
 
     Args:
         num_heads: H, query heads per rank (sets the group size G = 128 // H unless group_size).

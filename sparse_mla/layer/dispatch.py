@@ -71,7 +71,7 @@ class HeadsThresholds:
 # Crossover thresholds: the ONE table. Measured on an H200 by `python benchmarks/sweep_paths.py`
 # (results/sweep_paths.json): the script prints the rows its timings imply, fitted by
 # sparse_mla.layer.calibration.fit_thresholds so that the automatic choice is within 5% of the
-# best path on every measured point; tests/test_dispatch.py re-checks that on the committed JSON.
+# best path on every measured point; tests/layer/test_dispatch.py re-checks that on the committed JSON.
 # grouped_min_tokens = NEVER turns grouping off for a bucket; path="mqa_grouped" still forces it.
 # ---------------------------------------------------------------------------------------------
 # results/sweep_paths.json (measured at rev a704472 with the Gluon attention and the CUDA shared-memory union:

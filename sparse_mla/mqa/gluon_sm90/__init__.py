@@ -45,7 +45,7 @@ Shared memory (bf16/fp16, D_qk 576): Q 72 KB + 2 tiles x 72 KB + P / row-stat bu
 
 The kernels are written against Triton's Gluon API of the versions in ``SUPPORTED_TRITON`` (the API
 moves between releases); ``sparse_mla.mqa.backends`` uses them only there, and CI compiles every
-variant for sm_90 with that Triton (tests/test_gluon_compile.py). Semantics:
+variant for sm_90 with that Triton (tests/mqa/test_gluon_compile.py). Semantics:
 ``sparse_mla.mqa.reference.sparse_mla_ref``.
 
 Modules: ``gluon_api`` (the Gluon imports, or ``GLUON_IMPORT_ERROR``), ``config`` (constants, launch configuration,

@@ -1,7 +1,7 @@
-"""The FP8 ``fp8_ds_mla`` latent cache (``sparse_mla.kv_format``): the format (bytes, scales, round trip,
-validation), the sparse MQA kernels reading it (per token and grouped, Triton interpreter on the CPU, compiled
-on a GPU), the layer paths and the block-table path on it, the backend selection, the sm_90 compile of the FP8
-kernel variants, and the bench's ``--kv-dtype fp8``.
+"""The sparse MQA kernels on the FP8 ``fp8_ds_mla`` latent cache (``sparse_mla.kv_format``): the backend selection,
+the kernels per token and grouped (Triton interpreter on the CPU, compiled on a GPU), the Gluon sm_90 kernel's FP8
+producer, and the sm_90 compile of the FP8 kernel variants (tests/test_kv_format.py: the format;
+tests/layer/test_layer_fp8.py: the layer paths; tests/bench/test_kv_fp8_bench.py: the benches).
 
 The semantics under test: every path computes the fp32 reference on the cache dequantized to q's dtype
 (``sparse_mla_ref(..., kv_format="fp8_ds_mla")`` == ``sparse_mla_ref`` on ``FP8_DS_MLA.dequantize(cache,
@@ -12,253 +12,23 @@ be off by orders of magnitude, far outside the tolerances.
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import struct
 
 import pytest
 import torch
-from testlib.adversarial import adversarial_indices, garbage_topk_length
+from testlib.adversarial import garbage_topk_length
 from testlib.device import DEVICE, DTYPE
-from testlib.problems import assert_outside_untouched, cu_seqlens, neighbour_rows, poisoned_out, poisoned_views
+from testlib.fp8 import FMT, FP8, fp8_problem, layer_inputs, run_fp8_checked, spread_kv
+from testlib.problems import cu_seqlens, neighbour_rows, poisoned_out
 from testlib.sm90 import run_sm90_compile
 from testlib.tolerances import (
-    LAYER_ROW_TOLERANCE,
     all_of,
     assert_matches_reference,
-    assert_rows_close,
     assert_same_result,
 )
 
-from sparse_mla import dsa_prefill, dsa_prefill_ref, sparse_mla_fwd, sparse_mla_ref
-from sparse_mla.kv_format import FP8_DS_MLA, check_kv_format
+from sparse_mla import dsa_prefill, sparse_mla_fwd, sparse_mla_ref
 from sparse_mla.layer.checks import validate_dsa_prefill_args
-
-FMT = FP8_DS_MLA
-FP8 = "fp8_ds_mla"
-
-
-def spread_kv(N: int, *, seed: int, dtype=torch.float32, device=DEVICE) -> torch.Tensor:
-    """[N, 576] latent rows whose four 128-value tiles have magnitudes ~1e-2, 1e-1, 1, 10 (permuted per row),
-    so the four scales of a row differ by up to 1000x; k_pe ~ 1."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(N, 576, generator=g)
-    mags = torch.tensor([1e-2, 1e-1, 1.0, 10.0])
-    perm = torch.stack([torch.randperm(4, generator=g) for _ in range(N)])
-    x[:, :512] *= mags[perm].repeat_interleave(128, dim=1)
-    return x.to(dtype).to(device)
-
-
-def fp8_problem(T: int, H: int, K: int, N: int, *, seed: int, indices=None, scale_format="ue8m0"):
-    g = torch.Generator().manual_seed(seed + 1)
-    q = torch.randn(T, H, 576, generator=g).to(DTYPE).to(DEVICE)
-    cache = FMT.quantize(spread_kv(N, seed=seed), scale_format=scale_format)
-    if indices is None:
-        indices = adversarial_indices(T, K, N, generator=g)
-    return q, cache, indices.to(DEVICE)
-
-
-def run_fp8_checked(q, cache, indices, sm_scale, *, topk_length=None, attn_sink=None, pad_tokens=1, pad_heads=1,
-                    **kwargs):
-    """``sparse_mla_fwd(kv_format="fp8_ds_mla")`` into NaN-poisoned views, compared per (token, head) row to the
-    fp32 reference on the dequantized cache; the poisoned padding around the views must stay NaN."""
-    T, H, _ = q.shape
-    out_big, lse_big, out, lse = poisoned_views(T, H, pad_tokens=pad_tokens, pad_heads=pad_heads)
-    sparse_mla_fwd(q, cache, indices, sm_scale, topk_length=topk_length, return_lse=True, out=out, lse=lse,
-                   kv_format=FP8, attn_sink=attn_sink, **kwargs)
-    ref_out, ref_lse = sparse_mla_ref(q, cache, indices, sm_scale, topk_length=topk_length, attn_sink=attn_sink,
-                                      kv_format=FP8)
-    assert_matches_reference(out, lse, ref_out, ref_lse, DTYPE)
-    assert_outside_untouched(out_big, lse_big, T, pad_heads)
-    return out, lse, ref_out, ref_lse
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The format
-
-
-def test_layout_constants_match_the_kernel():
-    from sparse_mla.mqa import triton_tl
-
-    assert (FMT.row_bytes, FMT.scale_offset, FMT.rope_offset) == (656, 512, 528)
-    assert FMT.kv_lora_rank + 4 * FMT.num_tiles + 2 * FMT.qk_rope_head_dim == FMT.row_bytes
-    assert (triton_tl.FP8_SCALE_OFFSET.value, triton_tl.FP8_ROPE_OFFSET.value, triton_tl.FP8_TILE.value) == (
-        FMT.scale_offset, FMT.rope_offset, FMT.tile_size)
-    assert (triton_tl.D_V, triton_tl.D_PE) == (FMT.kv_lora_rank, FMT.qk_rope_head_dim)
-
-
-def test_quantize_writes_the_published_byte_layout():
-    """Exact bytes of one row: OCP E4M3 codes (bias 7), little-endian fp32 scales, bf16 k_pe verbatim."""
-    kv = torch.zeros(1, 576)
-    kv[0, 0], kv[0, 1], kv[0, 2], kv[0, 3] = 448.0, -1.0, 2.0**-9, 96.0  # tile 0: amax 448 -> scale 1
-    kv[0, 128], kv[0, 129] = 1.0, -0.5  # tile 1: amax 1 -> 1/448 -> ue8m0 2**-8; codes of 256 and -128
-    kv[0, 256] = 3.0  # tile 2: 3 / 448 -> 2**-7; 3 * 128 = 384
-    # tile 3: all zero -> FlashMLA's clamp 1e-4 -> 2**-13
-    kv[0, 512:] = torch.linspace(-2, 2, 64)
-    b = FMT.quantize(kv)
-    assert b.dtype == torch.uint8 and b.shape == (1, 656)
-    codes = b[0, :512].tolist()
-    assert codes[:4] == [0x7E, 0xB8, 0x01, 0x6C], [hex(c) for c in codes[:4]]  # 448, -1, 2**-9 (subnormal), 96
-    assert codes[128:130] == [0x78, 0xF0]  # 256 = 2**8: exponent 15 -> 0 1111 000; -128: 1 1110 000
-    assert codes[256] == 0x7C and set(codes[384:512]) == {0}  # 384 = 1.5 * 2**8
-    scales = struct.unpack("<4f", bytes(b[0, 512:528].tolist()))
-    assert scales == (1.0, 2.0**-8, 2.0**-7, 2.0**-13)
-    assert bytes(b[0, 528:].tolist()) == kv[0, 512:].to(torch.bfloat16).contiguous().view(torch.uint8).numpy().tobytes()
-    # vLLM's scale rule: amax / 448 as fp32, FLT_MIN for a zero tile
-    s32 = struct.unpack("<4f", bytes(FMT.quantize(kv, scale_format="fp32")[0, 512:528].tolist()))
-    want = [struct.unpack("<f", struct.pack("<f", v / 448.0))[0] for v in (448.0, 1.0, 3.0)]
-    assert list(s32[:3]) == want and s32[3] == torch.finfo(torch.float32).tiny
-
-
-def test_ue8m0_scale_is_the_next_power_of_two():
-    g = torch.Generator().manual_seed(0)
-    amax = torch.cat([torch.exp(torch.empty(200).uniform_(-14, 9, generator=g)),
-                      448.0 * 2.0 ** torch.arange(-12, 6, dtype=torch.float32),  # exact powers: no round-up
-                      torch.tensor([0.0, 1e-4 * 448, 1e-4 * 448 * 0.5])])
-    kv = torch.zeros(amax.numel(), 576)
-    kv[:, 5] = amax  # one value per row sets the tile's amax
-    scales = FMT.scales(FMT.quantize(kv))[:, 0].double()
-    want = torch.tensor([2.0 ** math.ceil(math.log2(max(a / 448.0, 1e-4))) for a in amax.double().tolist()],
-                        dtype=torch.float64)
-    assert torch.equal(scales, want)
-
-
-@pytest.mark.parametrize("scale_format", ["ue8m0", "fp32"])
-def test_round_trip_error_within_half_an_e4m3_step(scale_format):
-    """|kv / scale - e4m3| <= half the E4M3 spacing at that magnitude, for every value (normal and subnormal
-    codes, zeros, tiles across six decades); k_pe round-trips exactly through bf16."""
-    kv = spread_kv(64, seed=3, device="cpu")
-    kv[:8, :512] *= 1e-3  # small tiles: the ue8m0 clamp at 1e-4 leaves codes in the subnormal range
-    kv[8, :128] = 0.0
-    b = FMT.quantize(kv, scale_format=scale_format)
-    scale = FMT.scales(b).double().repeat_interleave(128, dim=1)
-    v = kv[:, :512].double() / scale
-    code = FMT.nope(b).double()
-    exp = torch.floor(torch.log2(v.abs().clamp_min(2.0**-30))).clamp_min(-6)
-    half_step = 2.0 ** (exp - 4)
-    assert torch.all((v - code).abs() <= half_step), float(((v - code).abs() / half_step).max())
-    assert code.abs().max() <= 448 and (code.abs() > 224).any()  # the full range is used
-    deq = FMT.dequantize(b, torch.float32)
-    assert torch.equal(deq[:, 512:], kv[:, 512:].to(torch.bfloat16).float())
-    assert torch.equal(deq[:, :512].double(), (code * scale).float().double())  # one rounding, of the product
-    rel = ((deq[:, :512] - kv[:, :512]).norm(dim=1) / kv[:, :512].norm(dim=1)).max()
-    assert rel < 2.0**-4, rel
-
-
-def test_dequantize_dtypes():
-    """ue8m0 scales: e4m3 * 2**k is exact in bf16 (same values in bf16 and fp32); fp32 scales: the bf16 result
-    is the fp32 product rounded once."""
-    kv = spread_kv(32, seed=5, device="cpu")
-    b = FMT.quantize(kv)
-    assert torch.equal(FMT.dequantize(b, torch.bfloat16).float(), FMT.dequantize(b, torch.float32))
-    b32 = FMT.quantize(kv, scale_format="fp32")
-    assert torch.equal(FMT.dequantize(b32, torch.bfloat16), FMT.dequantize(b32, torch.float32).to(torch.bfloat16))
-    rows = torch.tensor([31, 0, 7, 7])
-    assert torch.equal(FMT.dequantize(b, torch.float16, rows=rows), FMT.dequantize(b, torch.float16)[rows])
-
-
-def test_nonfinite_values_poison_their_tile_only():
-    kv = spread_kv(4, seed=6, device="cpu")
-    kv[1, 130] = float("nan")
-    kv[2, 300] = float("inf")
-    deq = FMT.dequantize(FMT.quantize(kv), torch.float32)
-    assert torch.isnan(deq[1, 128:256]).all() and torch.isnan(deq[2, 256:384]).all()
-    finite = torch.ones_like(deq, dtype=torch.bool)
-    finite[1, 128:256] = False
-    finite[2, 256:384] = False
-    assert torch.isfinite(deq[finite]).all()
-
-
-def test_storage_dtypes_and_paged_shapes_view_the_same_rows():
-    kv = spread_kv(48, seed=7, device="cpu")
-    b = FMT.quantize(kv)
-    want = FMT.dequantize(b, torch.float32)
-    flashmla = b.view(torch.float8_e4m3fn).view(3, 16, 1, 656)  # FlashMLA's dtype and [blocks, block_size, 1, 656]
-    for cache in (b, b.view(3, 16, 656), flashmla, b.view(torch.float8_e4m3fn)):
-        rows = FMT.as_rows(cache)
-        assert rows.dtype == torch.uint8 and rows.shape == (48, 656) and rows.data_ptr() == b.data_ptr()
-        assert torch.equal(FMT.dequantize(cache, torch.float32).reshape(48, 576), want)
-    slots = torch.zeros(4, 656, dtype=torch.uint8)
-    assert FMT.quantize(kv[:2], out=slots[1:3]) is not None
-    assert torch.equal(slots[1:3], b[:2]) and not slots[0].any() and not slots[3].any()
-
-
-def _misaligned():
-    raw = torch.zeros(4 * 656 + 16, dtype=torch.uint8)
-    return raw[8:8 + 4 * 656].view(4, 656)
-
-
-BAD_FORMAT = [
-    pytest.param(lambda: FMT.as_rows(torch.zeros(4, 656, dtype=torch.float16)), TypeError, "uint8 or float8_e4m3fn",
-                 id="dtype"),
-    pytest.param(lambda: FMT.as_rows(torch.zeros(4, 576, dtype=torch.uint8)), ValueError, "656 bytes", id="row-size"),
-    pytest.param(lambda: FMT.as_rows(_misaligned()), ValueError, "16-byte boundary", id="base-misaligned"),
-    pytest.param(lambda: FMT.as_rows(torch.zeros(4 * 664, dtype=torch.uint8).as_strided((4, 656), (660, 1))),
-                 ValueError, "stride 660", id="row-stride"),
-    pytest.param(lambda: FMT.as_rows(torch.zeros(656, 4, dtype=torch.uint8).t()), ValueError, "contiguous", id="last-dim"),
-    pytest.param(lambda: FMT.as_rows(torch.zeros(2, 4, 2, 656, dtype=torch.uint8)), ValueError, "h_k = 1", id="h_k"),
-    pytest.param(lambda: FMT.as_rows(torch.zeros(3, 8, 656, dtype=torch.uint8)[:, :4]), ValueError, "block stride",
-                 id="paged-gap"),
-    pytest.param(lambda: FMT.quantize(torch.zeros(2, 512)), ValueError, "576", id="quantize-width"),
-    pytest.param(lambda: FMT.quantize(torch.zeros(2, 576), scale_format="e8m0"), ValueError, "scale_format",
-                 id="quantize-scale-format"),
-    pytest.param(lambda: check_kv_format("fp8"), ValueError, "fp8_ds_mla", id="unknown-format"),
-    pytest.param(lambda: check_kv_format(True), TypeError, "kv_format", id="format-type"),
-]
-
-
-@pytest.mark.parametrize("fn, exc, match", BAD_FORMAT)
-def test_format_refuses_bad_tensors(fn, exc, match):
-    with pytest.raises(exc, match=match):
-        fn()
-
-
-def _bad_call(kind: str):
-    q = torch.randn(2, 4, 576).to(DTYPE).to(DEVICE)
-    cache = FMT.quantize(spread_kv(8, seed=1))
-    idx = torch.zeros(2, 4, dtype=torch.int32, device=DEVICE)
-    if kind == "no-format":
-        return lambda: sparse_mla_fwd(q, cache, idx, 0.1)
-    if kind == "nope-d512":
-        return lambda: sparse_mla_fwd(q[..., :512].contiguous(), cache, idx, 0.1, kv_format=FP8)
-    if kind == "row-size":
-        return lambda: sparse_mla_fwd(q, cache[:, :576], idx, 0.1, kv_format=FP8)
-    if kind == "kv-dtype":
-        return lambda: sparse_mla_fwd(q, cache.to(DTYPE), idx, 0.1, kv_format=FP8)
-    if kind == "format-name":
-        return lambda: sparse_mla_fwd(q, cache, idx, 0.1, kv_format="fp8_e4m3")
-    if kind == "layer-kv_c":
-        w = torch.randn(4 * 64, 512).to(DTYPE).to(DEVICE)
-        return lambda: dsa_prefill(q[:, :, :32], q[:, :, :64], w, idx, kv_c=cache, cached_lens=[6], new_lens=[2],
-                                   sm_scale=0.1, kv_format=FP8)
-    if kind == "layer-rank":
-        w = torch.randn(4 * 64, 448).to(DTYPE).to(DEVICE)  # kv_lora_rank 448 + rope 128 = 576, not the format's split
-        return lambda: dsa_prefill(q[:, :, :32], torch.randn(2, 4, 128).to(DTYPE).to(DEVICE), w, idx, kv=cache,
-                                   cached_lens=[6], new_lens=[2], sm_scale=0.1, kv_format=FP8)
-    raise AssertionError(kind)
-
-
-@pytest.mark.parametrize("kind, exc, match", [
-    pytest.param("no-format", TypeError, "pass kv_format='fp8_ds_mla'", id="uint8-kv-without-kv_format"),
-    pytest.param("nope-d512", ValueError, "D_qk .* must be 576", id="d_qk-512"),
-    pytest.param("row-size", ValueError, "656 bytes", id="row-size"),
-    pytest.param("kv-dtype", TypeError, "uint8 or float8_e4m3fn", id="kv-dtype"),
-    pytest.param("format-name", ValueError, "kv_format must be None .*'fp8_ds_mla'", id="format-name"),
-    pytest.param("layer-kv_c", ValueError, "pass the cache whole as kv", id="layer-kv_c"),
-    pytest.param("layer-rank", ValueError, "kv_lora_rank = 512", id="layer-rank"),
-])
-def test_bad_fp8_calls_raise_before_any_launch(kind, exc, match, monkeypatch):
-    from sparse_mla.mqa import backends
-
-    def launched(*a, **k):
-        raise AssertionError("a kernel was launched before the argument check")
-
-    for name in ("per_token", "grouped"):
-        monkeypatch.setattr(backends, name, launched)
-    with pytest.raises(exc, match=match):
-        _bad_call(kind)()
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # Backend selection (plain Python)
@@ -478,7 +248,7 @@ def test_check_reads_an_fp8_cache_in_q_dtype():
 def test_dsa_prefill_check_reads_an_fp8_cache_in_q_dtype():
     """The layer's check=True on an FP8 cache: a window row that overflows in fp16 is named with fp16 q and
     accepted with bf16 q (the paths dequantize to q's dtype)."""
-    inp = _layer_inputs(34)
+    inp = layer_inputs(34)
     inp["kv"] = _overflowing_fp16_row(40, 24, seed=35)  # row 24: inside request 0's window
     for name in ("q_nope", "q_pe", "w_kv_b"):
         inp[name] = inp[name].half()
@@ -663,125 +433,7 @@ def test_gluon_fp8_warmup_then_steps_compile_nothing_and_graph_replays(gluon_lau
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The layer and the block-table path
-
-
-def _layer_inputs(seed: int, *, paged: bool = False):
-    """Two requests (20 cached + 6 new at rows 0.., 0 cached + 5 new at rows 30..; rows 26..29 belong to no
-    window), K = 16 (the first request's windows exceed it), H 16, qk_nope = v = 32."""
-    g = torch.Generator().manual_seed(seed)
-    H, dn, dv, K, N = 16, 32, 32, 16, 40
-    cached, new, offs = [20, 0], [6, 5], [0, 30]
-    T = sum(new)
-    idx = torch.full((T, K), -1, dtype=torch.int32)
-    t = 0
-    for b in range(2):
-        for i in range(new[b]):
-            win = cached[b] + i + 1
-            sel = torch.randperm(win, generator=g)[:min(K, win)] + offs[b]
-            idx[t, :sel.numel()] = sel.to(torch.int32)
-            t += 1
-    cache = FMT.quantize(spread_kv(N, seed=seed))
-    return dict(q_nope=torch.randn(T, H, dn, generator=g).to(DTYPE).to(DEVICE),
-                q_pe=torch.randn(T, H, 64, generator=g).to(DTYPE).to(DEVICE),
-                w_kv_b=(torch.randn(H * (dn + dv), 512, generator=g) / 512**0.5).to(DTYPE).to(DEVICE),
-                indices=idx.to(DEVICE), kv=cache.view(5, 8, 656) if paged else cache, cached_lens=cached,
-                new_lens=new, row_offsets=offs, sm_scale=0.1, kv_format=FP8)
-
-
-@pytest.mark.parametrize("path, paged", [
-    pytest.param("masked_mha", False, id="masked_mha"),
-    pytest.param("mqa_grouped", True, id="mqa_grouped-paged"),
-    pytest.param("mqa_per_token", False, id="mqa_per_token"),
-])
-def test_dsa_prefill_fp8_paths_match_layer_reference(path, paged):
-    inp = _layer_inputs(31, paged=paged)
-    ref = dsa_prefill_ref(**inp)
-    assert torch.allclose(ref, dsa_prefill_ref(**inp, form="mha"), rtol=1e-4, atol=1e-5)
-    plain = {**inp, "kv": FMT.dequantize(inp["kv"], DTYPE).reshape(-1, 576), "kv_format": None}
-    assert torch.equal(ref, dsa_prefill_ref(**plain))  # the definition: the dequantized cache
-    out = torch.full((11, 16, 32), float("nan"), dtype=DTYPE, device=DEVICE)
-    o, d = dsa_prefill(**inp, path=path, out=out, return_decision=True)
-    assert d.path == path and o is out
-    assert_rows_close(out, ref, DTYPE, f"{path} o", LAYER_ROW_TOLERANCE)
-
-
-def test_dsa_prefill_fp8_dense_path_matches_layer_reference():
-    inp = _layer_inputs(32)
-    inp.update(cached_lens=[0, 0], new_lens=[6, 5])
-    idx = torch.full((11, 16), -1, dtype=torch.int32)
-    for t, (o, i) in enumerate([(0, i) for i in range(6)] + [(30, i) for i in range(5)]):
-        idx[t, : i + 1] = torch.randperm(i + 1) + o  # whole windows: dense-eligible
-    inp["indices"] = idx.to(DEVICE)
-    out, d = dsa_prefill(**inp, return_decision=True)
-    assert d.path == "dense_mha"
-    assert_rows_close(out, dsa_prefill_ref(**inp), DTYPE, "dense_mha o", LAYER_ROW_TOLERANCE)
-
-
-def test_dsa_prefill_fp8_check_flags_a_nonfinite_window_row():
-    inp = _layer_inputs(33)
-    FMT.scales(inp["kv"])[24, 0] = float("inf")  # inside request 0's window; selected or not, the MHA paths read it
-    with pytest.raises(ValueError, match=r"cache rows \[24\]"):
-        dsa_prefill(**inp, check=True)
-    FMT.scales(inp["kv"])[24, 0] = 1.0
-    FMT.scales(inp["kv"])[27, 1] = float("nan")  # row 27 is in no window: never read, never flagged
-    dsa_prefill(**inp, check=True, path="mqa_per_token")
-
-
-def test_block_table_path_on_a_strided_paged_fp8_cache():
-    """FlashMLA's test layout (blocks one row apart: block stride (block_size + 1) * 656, float8_e4m3fn
-    [num_blocks, block_size, 1, 656]) through paged_kv_as_rows + convert_req_index_to_global + sparse_mla_fwd,
-    against the reference on each request's logical rows."""
-    from sparse_mla.integration import convert_req_index_to_global, paged_kv_as_rows
-
-    H, K, bs, nb = 16, 24, 8, 9
-    g = torch.Generator().manual_seed(41)
-    storage = torch.zeros(nb, bs + 1, 656, dtype=torch.uint8, device=DEVICE)
-    cache = storage.view(torch.float8_e4m3fn)[:, :bs].unsqueeze(2)  # [nb, bs, 1, 656]
-    logical = [spread_kv(30, seed=42), spread_kv(20, seed=43)]  # two requests' token rows
-    table = torch.tensor([[7, 2, 5, 0], [4, 8, 1, -1]], dtype=torch.int32)
-    for r, kv in enumerate(logical):
-        for p in range(kv.shape[0]):
-            FMT.quantize(kv[p:p + 1], out=cache[table[r, p // bs], p % bs])
-    rows, stride_rows = paged_kv_as_rows(cache, kv_format=FP8)
-    assert stride_rows == bs + 1 and rows.dtype == torch.uint8 and rows.shape == ((nb - 1) * (bs + 1) + bs, 656)
-    req_id = torch.tensor([0, 0, 0, 1, 1], dtype=torch.int32, device=DEVICE)
-    local = torch.full((5, K), -1, dtype=torch.int32)
-    for t, r in enumerate(req_id.tolist()):
-        n = min(K, 30 if r == 0 else 20)  # request 1 has 20 < K positions: -1 after them
-        local[t, :n] = torch.randperm(30 if r == 0 else 20, generator=g)[:n].to(torch.int32)
-    local[1, 20:] = -1
-    idx = convert_req_index_to_global(req_id, table.to(DEVICE), local.to(DEVICE), bs, kv_block_stride_rows=stride_rows)
-    q = torch.randn(5, H, 576, generator=g).to(DTYPE).to(DEVICE)
-    out, lse = poisoned_out(5, H)
-    sparse_mla_fwd(q, rows, idx, 0.05, out=out, lse=lse, kv_format=FP8, check=True)
-    for r, (a, e) in enumerate([(0, 3), (3, 5)]):
-        ref_out, ref_lse = sparse_mla_ref(q[a:e], FMT.quantize(logical[r]), local[a:e].to(DEVICE), 0.05, kv_format=FP8)
-        assert_matches_reference(out[a:e], lse[a:e], ref_out, ref_lse, DTYPE)
-    with pytest.raises(TypeError, match="uint8 or float8_e4m3fn"):
-        paged_kv_as_rows(torch.zeros(2, 4, 656, dtype=DTYPE), kv_format=FP8)
-
-
-def test_custom_op_and_warmup_take_the_fp8_cache():
-    from sparse_mla.integration import ops
-    from sparse_mla.integration.warmup import warmup
-
-    q, cache, idx = fp8_problem(3, 16, 16, 40, seed=51)
-    out, lse = torch.ops.sparse_mla.fwd(q, cache, idx, 0.1, method="per_token", kv_format=FP8)
-    ref_out, ref_lse = sparse_mla_ref(q, cache, idx, 0.1, kv_format=FP8)
-    assert_matches_reference(out, lse, ref_out, ref_lse, DTYPE)
-    ops._fwd_fake(q, cache, idx, 0.1, kv_format=FP8)  # the fake runs the same checks
-    with pytest.raises(TypeError, match="kv_format='fp8_ds_mla'"):
-        ops._fwd_fake(q, cache, idx, 0.1)
-    rep = warmup(16, 576, 16, DTYPE, DEVICE, 2, num_kv_rows=40, return_lse=(True,), topk_length=(False,),
-                 converter=False, kv_format=FP8)
-    assert rep.calls >= 2
-    with pytest.raises(ValueError, match="d_qk must be 576"):
-        warmup(16, 512, 16, DTYPE, DEVICE, 2, num_kv_rows=40, kv_format=FP8)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The FP8 variants compile for sm_90 (Triton's front end, LLVM and ptxas on the CPU, as tests/test_gluon_compile.py)
+# The FP8 variants compile for sm_90 (Triton's front end, LLVM and ptxas on the CPU, as tests/mqa/test_gluon_compile.py)
 
 SMEM_LIMIT = 227 * 1024
 
@@ -824,66 +476,3 @@ def test_fp8_variants_compile_for_sm90_with_the_hardware_conversion():
         assert row["mma"] and 0 < row["shared"] <= SMEM_LIMIT, row
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# The bench
-
-
-def test_bench_kv_dtype_fp8(tmp_path):
-    """`sparse-mla bench --kv-dtype fp8` on one tiny scenario: every supported path checked against the reference
-    on the dequantized cache, compared to the unquantized one (a larger error: the quantization's), the
-    dequantize-then-bf16 baseline among the paths, the report's extra columns."""
-    from typer.testing import CliRunner
-
-    from sparse_mla.bench.baselines import DEQUANT_NAME, PATH_COLUMNS
-    from sparse_mla.cli import app
-
-    runner = CliRunner()
-    out = tmp_path / "b.json"
-    res = runner.invoke(app, ["bench", "--dims", "16,512,32,64,32", "--tokens", "12", "--cached", "24", "--topk", "16",
-                              "--kv-dtype", "fp8", "--json", str(out), "--plot", ""])
-    assert res.exit_code == 0, res.output
-    data = json.loads(out.read_text())
-    assert data["meta"]["kv_format"] == FP8
-    (row,) = data["results"]
-    assert row["kv_format"] == FP8 and row["failures"] == [] and row["pad64_baseline"].startswith("dequant+")
-    assert set(row["paths"]) == {*PATH_COLUMNS, DEQUANT_NAME}
-    timed = [name for name, rec in row["paths"].items() if rec["supported"]]
-    assert DEQUANT_NAME in timed and "mqa_per_token" in timed and "mqa_grouped" in timed
-    for name in timed:
-        rec = row["paths"][name]
-        assert rec["check_ok"] and rec["rel_err"] < row["check_tol"], (name, rec["rel_err"])
-        assert rec["rel_err_vs_bf16_cache"] > 5 * rec["rel_err"], (name, rec)  # the cache's own quantization error
-    assert row["max_rel_err_vs_bf16_cache"] == max(row["paths"][n]["rel_err_vs_bf16_cache"] for n in timed)
-    rep = runner.invoke(app, ["report", str(out)])
-    assert rep.exit_code == 0 and "kv cache fp8_ds_mla" in rep.output and f"{DEQUANT_NAME} ms" in rep.output
-
-
-def test_kernel_bench_module_smoke(tmp_path):
-    """`python -m sparse_mla.bench.kv_fp8` (the GPU A/B of bf16 vs FP8 caches) runs on the CPU on tiny sizes and
-    checks every variant."""
-    from sparse_mla.bench import kv_fp8
-
-    out = tmp_path / "k.json"
-    rows = kv_fp8.main(["--heads", "16", "--grouped-heads", "16", "--tokens", "9", "--topk", "16", "--rows", "64",
-                        "--json", str(out)])
-    data = json.loads(out.read_text())
-    assert data["rows"] == rows and {r["case"] for r in rows} == {"per_token H16", "grouped H16 G8"}
-    variants = {r["variant"] for r in rows}
-    assert {"bf16", "bf16 triton", "fp8", "dequant+bf16"} <= variants
-    for r in rows:
-        assert r["check_ok"], r
-        if r["variant"].startswith(("fp8", "dequant")):
-            assert r["max_row_err_vs_bf16_cache"] > r["max_row_err"], r
-
-
-def test_kernel_bench_variants_filter(tmp_path, capsys):
-    """`--variants` keeps only the named rows; an unknown name is refused with the list of rows."""
-    from sparse_mla.bench import kv_fp8
-
-    out = tmp_path / "k.json"
-    rows = kv_fp8.main(["--heads", "16", "--grouped-heads", "", "--tokens", "5", "--topk", "8", "--rows", "32",
-                        "--variants", "bf16,fp8", "--json", str(out)])
-    assert [r["variant"] for r in rows] == ["bf16", "fp8"] and all(r["check_ok"] for r in rows)
-    with pytest.raises(SystemExit):
-        kv_fp8.main(["--variants", "bf16,fp9", "--json", str(out)])
-    assert "unknown ['fp9']" in capsys.readouterr().err

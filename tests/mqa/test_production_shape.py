@@ -6,11 +6,11 @@ other CPU tests use K <= 100 for the interpreter's sake; these make sure nothing
 from __future__ import annotations
 
 import torch
-from test_union import check_union
 from testlib.adversarial import adversarial_indices
 from testlib.device import DEVICE
 from testlib.problems import cu_seqlens, make_problem, neighbour_rows, run_checked
 from testlib.tolerances import all_of
+from testlib.union import check_union
 
 from sparse_mla import SparseMLAWorkspace
 

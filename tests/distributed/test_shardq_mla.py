@@ -1,7 +1,7 @@
 """ShardQ at the MLA-layer level (sparse_mla/distributed/mla.py): the reduced exchange (q before
 absorption, o after W_UV), the absorbed one, and the chunked exchange / attention pipeline.
 
-Spawned gloo ranks run the Triton kernels through the interpreter in fp16 (as tests/test_shardq.py).
+Spawned gloo ranks run the Triton kernels through the interpreter in fp16 (as tests/distributed/test_shardq.py).
 Each rank checks its head shard of o against the fp32 reference of the layer definition (absorb,
 sparse_mla_ref, W_UV, all in fp32), against the TP baseline ``tp_mla_attention``, and the chunked
 pipeline against the unchunked result, each (token, head) row within the layer's row tolerance; for the
@@ -17,19 +17,19 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from test_shardq import (
+from testlib.device import DTYPE, HAS_CUDA
+from testlib.distributed import (
     GLOO,
     WRONG_ROW_FACTOR,
     Backend,
     Case,
     WrongRow,
-    _spawn,
     build_problem,
     case_named,
     expect_detected,
     gloo_only,
+    spawn_ranks,
 )
-from testlib.device import DTYPE, HAS_CUDA
 from testlib.tolerances import LAYER_ROW_TOLERANCE, TOLERANCE, assert_rows_close
 
 from sparse_mla.distributed import cost_model, zigzag_partition
@@ -167,7 +167,7 @@ def _run_mla_with_a_wrong_row(rank: int, W: int, backend, wrong_row: WrongRow) -
 @pytest.mark.parametrize("world_size", [2, 4], ids=["gloo-W2", "gloo-W4"])
 def test_shardq_mla_exchanges_and_pipeline(world_size, tmp_path, monkeypatch):
     ids = [c.id for c in MLA_CASES] if world_size == 2 else [MLA_CASES[0].id]
-    _spawn(monkeypatch, tmp_path, world_size, GLOO, _run_mla, ids)
+    spawn_ranks(monkeypatch, tmp_path, world_size, GLOO, _run_mla, ids)
 
 
 @pytest.mark.slow
@@ -175,7 +175,7 @@ def test_shardq_mla_exchanges_and_pipeline(world_size, tmp_path, monkeypatch):
 def test_shardq_mla_comparisons_catch_one_wrong_row(tmp_path, monkeypatch):
     """The checks of test_shardq_mla_exchanges_and_pipeline fail when rank 1's ShardQ attention scales the first
     row of each call's latent output at one head by 1.01 (its o row is then off by 1e-2, the row tolerance 2e-3)."""
-    _spawn(monkeypatch, tmp_path, 2, GLOO, _run_mla_with_a_wrong_row, (1, 0, 2))
+    spawn_ranks(monkeypatch, tmp_path, 2, GLOO, _run_mla_with_a_wrong_row, (1, 0, 2))
 
 
 def test_tp_mla_attention_single_process_matches_reference():
@@ -223,7 +223,7 @@ def test_shardq_layer_bench_on_gloo_ranks(tmp_path, monkeypatch):
     from sparse_mla.bench.shardq_layer import format_rows
 
     out_file = tmp_path / "layer.json"
-    _spawn(monkeypatch, tmp_path, 2, GLOO, _layer_bench_task, str(out_file), timeout_s=180.0)
+    spawn_ranks(monkeypatch, tmp_path, 2, GLOO, _layer_bench_task, str(out_file), timeout_s=180.0)
     doc = json.loads(out_file.read_text())
     rows = doc["results"]
     assert [(r["variant"], r["chunks"]) for r in rows] == [("tp", 1), ("shardq-absorbed", 1), ("shardq-absorbed", 3),

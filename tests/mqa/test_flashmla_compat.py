@@ -5,7 +5,7 @@ small sizes on the CPU, and at full size in bf16 on a GPU for every attention ba
 max_logits plumbing through ``sparse_mla_fwd`` (per token and grouped), the backend fallback while the
 Gluon kernel lacks them, and the error messages of the compatible call.
 
-GPU run: ``python3 -m pytest -q tests/test_flashmla_compat.py -m gpu``.
+GPU run: ``python3 -m pytest -q tests/mqa/test_flashmla_compat.py -m gpu``.
 """
 
 from __future__ import annotations

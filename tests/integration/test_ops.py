@@ -1,7 +1,7 @@
 """Mixed decode + prefill steps, torch custom ops under torch.compile, and warmup (CPU-testable parts).
 
 The GPU-only parts (no compilation after warmup, CUDA-graph replay, no allocation per step) are in
-tests/test_gpu_integration.py.
+tests/integration/test_gpu_integration.py.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def test_mixed_decode_prefill_step_equals_separate_calls():
     T = p.q.shape[0]
     ws = SparseMLAWorkspace.for_problem(T, K, H, N, DEVICE)
     out, lse = poisoned_out(T, H)
-    # no overlap guard (it would decide per group on the lists' overlap; tests/test_grouped.py covers it): the
+    # no overlap guard (it would decide per group on the lists' overlap; tests/mqa/test_grouped.py covers it): the
     # planned groups themselves are checked here
     sparse_mla_fwd(p.q, p.kv, p.indices, p.sm_scale, topk_length=p.topk_length, method="grouped",
                    cu_seqlens_q=cu, workspace=ws, out=out, lse=lse, overlap_guard=None)
@@ -182,7 +182,7 @@ def test_converter_kernel_declares_unspecialized_sizes():
     assert {"num_reqs", "max_blocks", "K", "num_kv_rows"} <= _unspecialized(index_convert._convert_req_index_kernel)
 
 
-@pytest.mark.skipif(HAS_CUDA, reason="CPU-only: on a GPU warmup compiles (tests/test_gpu_integration.py covers it)")
+@pytest.mark.skipif(HAS_CUDA, reason="CPU-only: on a GPU warmup compiles (tests/integration/test_gpu_integration.py covers it)")
 def test_warmup_runs_every_variant_on_cpu():
     """Under the interpreter nothing compiles (counts stay 0); warmup must still run every path without error."""
     ws = SparseMLAWorkspace.for_problem(4, 16, 64, 40, DEVICE)

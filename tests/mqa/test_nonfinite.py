@@ -6,7 +6,7 @@
   never another request.
 
 A query that selects a non-finite row gets a non-finite result. ``check=True`` reports such rows
-(tests/test_validation.py, tests/test_layer.py)."""
+(tests/mqa/test_validation.py, tests/layer/test_layer.py)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def test_nonfinite_row_stays_within_its_request_on_the_mha_paths(case, path):
     """The MHA paths over two requests: a NaN in request 0's window, in a row only its last token selects
     (dense: its own position; masked: plus no query selecting it at all), may reach any of request 0's
     queries, never request 1's."""
-    from test_layer import CASES, build
+    from testlib.layer import CASES, build
     from testlib.tolerances import LAYER_ROW_TOLERANCE, assert_rows_close
 
     from sparse_mla.layer import dsa_prefill, dsa_prefill_ref
