@@ -33,7 +33,7 @@ Step time, one layer (``shardq_step_ms``):
 The TP step is ``max_r`` of the TP per-rank attention times (no communication in this layer).
 
 Validation and projection (``validate`` / ``projection_table``) read the committed measurements
-(results/bench_shardq.json: 2 H200s, rev caa092e; results/bench.json: one H200, 16 heads per rank);
+(results/bench_shardq.json: 2 H200s; results/bench.json: one H200, 16 heads per rank);
 ``python -m sparse_mla.distributed.cost_model`` prints both tables. Nothing in this module was
 measured: the W = 4 / 8 rows are projections.
 """

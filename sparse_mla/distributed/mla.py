@@ -2,7 +2,7 @@
 
 ``shardq_sparse_mla_fwd`` exchanges the absorbed query (kv_lora_rank + qk_rope = 576 wide) and the
 latent output (kv_lora_rank = 512 wide). One layer up, with the rank's q_nope / q_pe and kv_b_proj,
-the exchange can carry fewer bytes (``exchange="reduced"``, issue 17):
+the exchange can carry fewer bytes (``exchange="reduced"``):
 
 * q before absorption: concat(q_nope, q_pe), qk_nope + qk_rope wide (192 DeepSeek-V3.2, 256 GLM-5);
 * o after W_UV: v_head_dim wide (128 / 256).

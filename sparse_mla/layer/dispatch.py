@@ -68,19 +68,16 @@ class HeadsThresholds:
 
 
 # ---------------------------------------------------------------------------------------------
-# Crossover thresholds: the ONE table. Measured on an H200 by `python benchmarks/sweep_paths.py`
-# (results/sweep_paths.json): the script prints the rows its timings imply, fitted by
-# sparse_mla.layer.calibration.fit_thresholds so that the automatic choice is within 5% of the
-# best path on every measured point; tests/layer/test_dispatch.py re-checks that on the committed JSON.
-# grouped_min_tokens = NEVER turns grouping off for a bucket; path="mqa_grouped" still forces it.
+# The layer path's crossover thresholds (this module's decision; docs/decisions.md lists every decision with its
+# switch and result file). Fitted by sparse_mla.layer.calibration.fit_thresholds on results/sweep_paths.json
+# (`python benchmarks/sweep_paths.py --budget-s 240` on an H200: 120 points, 3 layouts, 16-128 heads, 1K-64K pure
+# prompts, 2K-28K cached prefixes): the automatic choice is the best measured path at every point (within 5%;
+# tests/layer/test_dispatch.py re-checks it on the committed JSON). Grouping pays at 16 and 32 heads from a few
+# thousand tokens on, behind a cached prefix too (1.2-1.7x over per token at 16K-64K); at 64 heads (G = 2) only for
+# 3K-5.6K-token pure prefills; never at 128 heads (G = 1). Each limit sits halfway (geometric) between the last
+# measured win and the first loss. grouped_min_tokens = NEVER turns grouping off for a bucket; path="mqa_grouped"
+# still forces it.
 # ---------------------------------------------------------------------------------------------
-# results/sweep_paths.json (measured at rev a704472 with the Gluon attention and the CUDA shared-memory union:
-# python benchmarks/sweep_paths.py --budget-s 240): 120 points, 3 layouts, 16-128 heads, 1K-64K pure prompts and
-# 2K-28K cached prefixes. This table is fit_thresholds' answer on it; the automatic choice is then the best
-# measured path (within the timing noise, worst 1.00x) at every point. With both new kernels grouping pays
-# at 16 and 32 heads from a few thousand tokens on, behind a cached prefix too (1.2-1.7x over per token at
-# 16K-64K); at 64 heads (G = 2) only for 3K-5.6K-token pure prefills; never at 128 heads (G = 1). Each limit
-# sits halfway (geometric) between the last measured win and the first loss.
 THRESHOLDS: tuple[HeadsThresholds, ...] = (
     HeadsThresholds(16, masked_max_ratio_pure=0.67, masked_max_ratio_cached=0.814, masked_max_window=65536,
                     grouped_min_tokens=3072, grouped_max_tokens=NEVER, grouped_cached=True),

@@ -96,29 +96,16 @@ def gluon_sm90_applies(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | No
     return True, why
 
 
-# The Gluon kernel's tile is 64 pseudo-heads; below this many per tile the Triton kernel's 16/32-row tiles win.
-# Measured on the H200 (results/gluon-v3.json, per token, T 8192, topk 2048): 16 heads Gluon 5.47 ms vs Triton
-# 4.14 ms; 32 heads 5.55 vs 5.82 ms; 64 heads 5.90 vs 9.29 ms. Grouped tiles hold G * H = 128 pseudo-heads.
+# The few-heads rule (``triton_small_tiles_win``), split schedule only: its 64-row tile loses to the Triton kernel's
+# 16 / 32-row tiles below GLUON_MIN_PSEUDO_HEADS pseudo-heads per tile (results/gluon-v3.json: per token, 8K tokens,
+# 16 heads 5.47 vs 4.14 ms), on steps of more than GLUON_FEW_HEADS_MAX_TOKENS tokens (on short ones Triton's few
+# 16-row programs do not fill the GPU: results/bench-a704472.json, layer calls, weak evidence; 1K-8K tokens
+# unmeasured). The pair schedule has no such rule: without it the layer bench's per-token calls at 16 heads run 2-5%
+# faster and its grouped calls stay within 3.4% (results/bench-0cfdc34-rule.json vs -norule.json). Grouped tiles hold
+# G * H = 128 pseudo-heads. Neither limit applies to an fp8_ds_mla cache (the Triton kernel's FP8 gather: 15.7 ms vs
+# 4.65 ms on a bf16 cache, 16 heads, 8K tokens, results/bench-fp8-cf14b70.json).
 GLUON_MIN_PSEUDO_HEADS = 32
-# The rule holds for the split schedule only. The pair schedule (the default since session 7) beats the Triton
-# kernel per token at 16 / 32 heads on every token count measured (results/probe-pair.json: 1.03-1.07x /
-# 1.37-1.42x, 2K-16K tokens, every token computed). Its rule was first kept because grouped layer calls ran ~8%
-# slower without it (results/bench-1cd465e.json): their per-token pass is one launch over every token with most of
-# them routed away, and the persistent kernel walked each empty item. Since every partition skips an item with no
-# real pseudo-head (rev 0cfdc34), the layer bench with and without the rule (results/bench-0cfdc34-rule.json,
-# -norule.json, same revision) has the per-token calls at 16 heads 2-5% faster on Gluon (4.56 vs 4.64 ms at 8K
-# tokens, 4.51 vs 4.72 at 16K + 8K) and the grouped calls at most 3.4% slower and up to 9% faster without the rule
-# (glm-5 24K + 8K: 2.38 vs 2.30 ms; deepseek-v3.2 8K: 1.93 vs 2.13).
-# The rule (split schedule) holds on long steps only: on short ones the Triton kernel's 16-row programs are too
-# few to fill the GPU. Weak evidence,
-# from the layer bench (results/bench-a704472.json): 32K cached + 256 / + 900 new tokens at 16 heads ran in
-# 0.69-0.79 ms with Gluon on q padded to 64 heads against 0.85-0.97 ms per token with Triton (layer calls, not
-# an A/B of the kernels; the next run, results/bench.json, has per token on Gluon at 0.89-1.39 ms, so per-call
-# overhead dominates there). Between 900 and 8192 tokens nothing was measured.
 GLUON_FEW_HEADS_MAX_TOKENS = 1024
-# Neither rule applies to an fp8_ds_mla cache: the Triton kernel's FP8 gather at 16 heads per token ran 15.7 ms for
-# 8192 tokens (glm-5 / TP4 layer, results/bench-fp8-cf14b70.json) against 4.65 ms on a bf16 cache, so FP8 caches
-# take the Gluon kernel at every head count where it applies.
 
 
 def triton_small_tiles_win(pseudo_heads: int, num_tokens: int, kv_fp8: bool) -> bool:
