@@ -1,27 +1,46 @@
 """The ``sparse-mla`` command line: ``bench`` (the main job), ``report`` and ``topk-stats``.
 
 Kernel modules are imported inside the commands, after TRITON_INTERPRET is decided: Triton reads
-it when a kernel is defined.
+it when a kernel is defined. The command line and the benchmarks need the ``bench`` extra
+(``BENCH_PACKAGES``); without it ``sparse-mla`` exits with a message that names it.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
-import typer
-from typer.core import TyperCommand, TyperGroup
+# The packages of the `bench` extra (pyproject.toml) that the CLI and the benchmarks import; a core install
+# (`pip install sparse-mla`) has none of them.
+BENCH_PACKAGES = ("typer", "click", "rich", "tqdm", "safetensors", "matplotlib")
+NEEDS_BENCH_EXTRA = "sparse-mla: the command line needs the bench extra: pip install 'sparse-mla[bench]'"
+
+try:
+    import typer
+    from typer.core import TyperCommand, TyperGroup
+except ModuleNotFoundError as e:  # `sparse-mla` / `python -m sparse_mla` on a core install
+    if e.name not in BENCH_PACKAGES:
+        raise
+    sys.exit(f"{NEEDS_BENCH_EXTRA} ({e.name} is not installed)")
 
 
 class _PlainHelp:
     """Help screens as users read them: the usage line names arguments plainly (``FILE``, not typer's
-    ``{FILE}``), and ``--help`` shows no ``<bool>`` type."""
+    ``{FILE}``), and ``--help`` and the other flags show no ``<bool>`` type."""
 
     def collect_usage_pieces(self, ctx):
         return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in super().collect_usage_pieces(ctx)]
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for p in params:
+            if getattr(p, "is_flag", False) and not getattr(p, "count", False):
+                p.metavar = ""  # as for --help below: nothing in place of the type
+        return params
 
     def get_help_option(self, ctx):
         opt = super().get_help_option(ctx)
@@ -44,7 +63,38 @@ app = typer.Typer(
     "Run `sparse-mla bench` for the side-by-side benchmark.",
     no_args_is_help=True,
     add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},  # the subcommands inherit it
 )
+
+
+def version_line() -> str:
+    """``sparse-mla X (torch Y, triton Z)``: this package's version and those of the torch and Triton it runs on."""
+    from importlib import import_module
+
+    from . import __version__
+
+    def version(name: str) -> str:
+        try:
+            return import_module(name).__version__
+        except ImportError:
+            return "not installed"
+
+    return f"sparse-mla {__version__} (torch {version('torch')}, triton {version('triton')})"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(version_line())
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_print_version,
+                                          help="Print the versions of sparse-mla, torch and Triton, and exit.")] = False,
+) -> None:
+    pass
+
 
 SPARSE_MLA_PATH_ENV = "SPARSE_MLA_PATH"  # sparse_mla.layer.dispatch.ENV_VAR (not imported: it loads torch)
 # Default --trials: do_bench trials per path on one GPU, timed iterations per variant under torchrun,
@@ -252,7 +302,7 @@ def bench(
 
         try:
             trace = load_trace(topk_trace)[0]
-        except (OSError, ValueError, TypeError) as e:
+        except (OSError, ValueError, TypeError, ImportError) as e:  # ImportError: a .safetensors file, no safetensors
             raise typer.BadParameter(str(e), param_hint="--topk-trace") from None
         shapes, k = [trace_shape(trace.topk)], trace.topk.shape[1]
     try:
@@ -333,7 +383,7 @@ def topk_stats(
     gs = _parse_ints(group_sizes, "--group-sizes", minimum=1)
     try:
         rows = topk_stats_table(str(path), gs)
-    except (OSError, ValueError, TypeError) as e:
+    except (OSError, ValueError, TypeError, ImportError) as e:  # ImportError: a .safetensors file, no safetensors
         raise typer.BadParameter(str(e), param_hint="FILE") from None
     console = Console()
     for table in topk_stats_tables(rows, str(path)):
@@ -366,7 +416,12 @@ def topk_stats_tables(rows: list[dict], source: str) -> list:
 
 
 def main() -> None:
-    app(prog_name="sparse-mla")
+    try:
+        app(prog_name="sparse-mla")
+    except ModuleNotFoundError as e:  # typer is there but another package of the extra is not
+        if e.name not in BENCH_PACKAGES:
+            raise
+        sys.exit(f"{NEEDS_BENCH_EXTRA} ({e.name} is not installed)")
 
 
 if __name__ == "__main__":

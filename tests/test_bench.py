@@ -24,6 +24,7 @@ import torch
 from lib import DEVICE, DTYPE, HAS_CUDA, LAYER_ROW_TOLERANCE, TOLERANCE, all_of, assert_rows_close, cpu_only
 from typer.testing import CliRunner
 
+import sparse_mla
 import sparse_mla.cli as cli
 from sparse_mla.bench.baselines import PAD64_NAME, PATH_COLUMNS
 from sparse_mla.bench.check import CHECK_TOLERANCE
@@ -352,22 +353,25 @@ def test_time_trials_quantiles(monkeypatch):
 # First-run polish: help screens, topk-stats at 80 columns, the CPU bench plot
 
 
+@pytest.mark.parametrize("help_flag", ["--help", "-h"])
 @pytest.mark.parametrize("args, usage", [
     pytest.param([], "Usage: sparse-mla [OPTIONS] COMMAND [ARGS]...", id="app"),
     pytest.param(["bench"], "Usage: sparse-mla bench [OPTIONS]", id="bench"),
     pytest.param(["report"], "Usage: sparse-mla report [OPTIONS] JSON", id="report"),
     pytest.param(["topk-stats"], "Usage: sparse-mla topk-stats [OPTIONS] FILE", id="topk-stats"),
 ])
-def test_help_screens(args, usage):
-    """Usage lines name arguments plainly (FILE / JSON, not {file}), no `--help <bool>`, no option shown as a
-    bare Python type (`<str>`, `<int>`), and every option but --help shows its default."""
-    res = RUNNER.invoke(app, [*args, "--help"], env={"COLUMNS": "80"}, prog_name="sparse-mla")
+def test_help_screens(args, usage, help_flag):
+    """-h as well as --help: usage lines name arguments plainly (FILE / JSON, not {file}), no `--help <bool>`, no
+    option shown as a bare Python type (`<str>`, `<int>`, `<bool>` for a flag), and every option but the flags
+    (--help, --version, --wide, --markdown) shows its default."""
+    res = RUNNER.invoke(app, [*args, help_flag], env={"COLUMNS": "80"}, prog_name="sparse-mla")
     assert res.exit_code == 0, res.output
     out = res.output
     assert usage in out, out
     assert "<bool>" not in out and "<str>" not in out and "<int>" not in out and "{" not in out, out
     assert all(len(line) <= 80 for line in out.splitlines()), max(out.splitlines(), key=len)
-    options = [line for line in out.splitlines() if line.startswith("│ --") and "--help" not in line]
+    flags = ("--help", "--version", "--wide", "--markdown")
+    options = [line for line in out.splitlines() if line.startswith("│ --") and not any(f in line for f in flags)]
     assert len(options) == out.count("[default:"), out
 
 
@@ -444,3 +448,64 @@ def test_pad64_baseline_runs_flash_mla_when_installed(monkeypatch):
     flash = baselines.mqa_per_token_pad64(inp, torch.empty(T, H, 256, dtype=DTYPE, device=DEVICE))
     assert calls == [((T, 64, 576), (64, 1, 576), (T, 1, 32))]
     assert_rows_close(flash, default, DTYPE, "pad64 through the flash_mla stand-in", LAYER_ROW_TOLERANCE)
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 26 (packaging and CLI): --version, the CLI without the bench extra, compact tables at 80 columns,
+# `report` of every JSON kind. (Kept apart from the tests above for the merge with the test move.)
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "results"
+
+
+def test_version():
+    """--version: the package's version and the torch / Triton it runs on, exit 0."""
+    import triton
+
+    res = RUNNER.invoke(app, ["--version"], prog_name="sparse-mla")
+    assert res.exit_code == 0, res.output
+    assert res.output.strip() == f"sparse-mla {sparse_mla.__version__} (torch {torch.__version__}, triton {triton.__version__})"
+
+
+_BLOCKER = """
+import importlib.abc, sys
+BLOCKED = set(sys.argv[1].split(","))
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name.split(".")[0])
+sys.meta_path.insert(0, Block())
+sys.argv = ["sparse-mla", *sys.argv[2:]]
+import runpy
+runpy.run_module("sparse_mla", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("blocked, args", [
+    pytest.param("typer", ["--version"], id="no-typer"),
+    pytest.param("tqdm", ["bench", "--dims", "16,512,32,64,32", "--tokens", "12", "--topk", "16"], id="no-tqdm"),
+])
+def test_cli_without_the_bench_extra(blocked, args):
+    """`python -m sparse_mla` (and so `sparse-mla`) on a core install: exit 1 with a message naming the extra."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])  # this tree's sparse_mla
+    res = subprocess.run([sys.executable, "-c", _BLOCKER, blocked, *args], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "pip install 'sparse-mla[bench]'" in res.stderr and f"({blocked} is not installed)" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+
+
+def test_safetensors_trace_without_safetensors(monkeypatch, tmp_path):
+    """A .safetensors trace on a core install: an ImportError naming the extra (read and write)."""
+    from sparse_mla.workloads.traces import TopkTrace, load_trace, save_trace
+
+    path = tmp_path / "t.safetensors"
+    trace = TopkTrace(layer=None, topk=torch.zeros(2, 4, dtype=torch.int32), valid=torch.full((2,), 4, dtype=torch.int32))
+    save_trace(path, trace)
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    with pytest.raises(ImportError, match=r"pip install 'sparse-mla\[bench\]'"):
+        load_trace(path)
+    with pytest.raises(ImportError, match=r"pip install 'sparse-mla\[bench\]'"):
+        save_trace(tmp_path / "u.safetensors", trace)
