@@ -186,7 +186,7 @@ def _shapes(new_list: list[int] | None, cached_list: list[int] | None, default: 
 
 
 def _bench_torchrun(world: int, model: list[Model] | None, tp: int | None, new_list: list[int] | None, topk: int,
-                    overlap: str, trials: int | None, seed: int, json_out: str | None, plot_out: str | None,
+                    overlap: str, trials: int | None, seed: int, json_out: str | None, plot_out: str | None, wide: bool,
                     single_gpu_only: list[str]) -> None:
     """``bench`` under torchrun with WORLD_SIZE > 1: ShardQ vs TP on the W GPUs (sparse_mla.bench.shardq).
     ``single_gpu_only``: the options given that only the single-GPU benchmark takes (rejected)."""
@@ -215,7 +215,7 @@ def _bench_torchrun(world: int, model: list[Model] | None, tp: int | None, new_l
     plot_out = "out/bench_shardq.png" if plot_out is None else plot_out
     if plot_out:
         plot_shardq(plot_out, res["results"])
-    print_shardq_table(res["results"])
+    print_shardq_table(res["results"], wide=wide)
     typer.echo(f"wrote {json_out}" + (f" and {plot_out}" if plot_out else ""))
     _exit_on_failures([f"{r['model']} T={r['tokens']} {r['variant']}: check failed"
                        for r in res["results"] if r.get("check_ok") is False])
@@ -244,6 +244,7 @@ def bench(
     seed: Annotated[int, typer.Option(metavar="N", help="Seed of the inputs and synthetic lists.")] = 0,
     json_out: Annotated[str | None, typer.Option("--json", metavar="FILE", show_default="out/bench.json; out/bench_shardq.json under torchrun", help="Where to write the JSON results (results/ holds the committed GPU runs).")] = None,
     plot_out: Annotated[str | None, typer.Option("--plot", metavar="FILE", show_default="out/bench.png; out/bench_shardq.png under torchrun", help="PNG plot of time per path vs prompt length ('' for none).")] = None,
+    wide: Annotated[bool, typer.Option("--wide", help="Print the full table (every path's ms; it is always in the JSON) instead of the compact one that fits 80 columns.")] = False,
 ) -> None:
     """Layer-level benchmark: per scenario and model layout, the dispatcher's chosen path and the time of
     every other applicable DSA prefill path (dense MHA, masked MHA, grouped and per-token sparse MQA,
@@ -274,7 +275,7 @@ def bench(
                                  "(K = its columns)", param_hint=moot[0])
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        _bench_torchrun(world, model, tp, new_list, topk, overlap, trials, seed, json_out, plot_out,
+        _bench_torchrun(world, model, tp, new_list, topk, overlap, trials, seed, json_out, plot_out, wide,
                         _given(ctx, "dims", "cached", "topk_trace", "dtype", "kv_dtype"))
         return
     on_gpu = _kernel_device()
@@ -330,43 +331,37 @@ def bench(
     report.write_json(json_out, meta, rows)
     if plot_out:
         report.plot(plot_out, rows, not on_gpu)
-    report.print_table(rows, not on_gpu)
+    report.print_table(rows, not on_gpu, wide=wide)
     typer.echo(f"wrote {json_out}" + (f" and {plot_out}" if plot_out else ""))
     _exit_on_failures([f"{r['scenario']} {f}" for r in rows for f in r["failures"]])
 
 
-@app.command("report", cls=_Command, short_help="Print a bench JSON as the README's markdown table.")
+@app.command("report", cls=_Command, short_help="Print the tables of a bench JSON (the README's with --markdown).")
 def report_cmd(
     json_path: Annotated[Path, typer.Argument(metavar="JSON", dir_okay=False, show_default=False,
-                                              help="A `sparse-mla bench` JSON, e.g. results/bench.json (a `--tp W` "
-                                                   "ShardQ JSON prints its ShardQ-vs-TP table).")],
+                                              help="A JSON of `sparse-mla bench` (e.g. results/bench.json; under "
+                                                   "torchrun its ShardQ-vs-TP one) or of a bench module "
+                                                   "(sparse_mla.bench.kv_fp8, .shardq_layer, .op).")],
+    wide: Annotated[bool, typer.Option("--wide", help="The full tables (every figure), not the compact ones that fit 80 columns.")] = False,
+    markdown: Annotated[bool, typer.Option("--markdown", help="Markdown tables; for `sparse-mla bench` JSON the README's table (the README's table is generated from the committed JSON, never typed).")] = False,
 ) -> None:
-    """Print the README's markdown table of a bench JSON (the README table is generated from the
-    committed JSON, never typed)."""
+    """Print a bench JSON as tables: compact by default (each fits 80 columns), every figure with --wide,
+    markdown with --markdown. Renders every JSON that `sparse-mla bench` and the bench modules write
+    (sparse_mla.bench.kinds); says so, and exits 2, for any other."""
     import json
 
-    from .bench.report import bench_rows, is_shardq_json, markdown_table
+    from .bench import kinds
 
     json_file = str(json_path)
     try:
         with open(json_file) as f:
             doc = json.load(f)
-        if is_shardq_json(doc):
-            from .bench.shardq import print_shardq_table  # a `--tp W` run under torchrun: ShardQ vs TP
-
-            print_shardq_table(doc["results"])
-            return
-        meta, rows = bench_rows(doc, json_file)
     except (OSError, ValueError) as e:
         raise typer.BadParameter(str(e), param_hint="JSON") from None
-    kinds = sorted({r["pad64_baseline"] for r in rows if r.get("pad64_baseline")})
-    baseline = f", pad-64 baseline {' / '.join(kinds)}" if kinds else ""
-    cache = f", kv cache {meta['kv_format']}" if meta.get("kv_format") else ""
-    typer.echo(f"<!-- `sparse-mla report {json_file}`: {meta.get('gpu', '?')}, rev {meta.get('git_revision', '?')}, "
-               f"{meta.get('date', '?')}, {meta.get('dtype', '?')}{cache}, top-k {meta.get('overlap', '?')}{baseline} -->")
-    if meta.get("timings_meaningful") is False:
-        typer.echo("(Triton interpreter run: the times are not performance numbers)\n")
-    typer.echo(markdown_table(rows))
+    try:
+        kinds.report(doc, json_file, wide=wide, markdown=markdown)
+    except ValueError as e:  # none of the kinds, or rows that lack a key its tables need (an OSError writing is not ours)
+        raise typer.BadParameter(str(e), param_hint="JSON") from None
 
 
 @app.command("topk-stats", cls=_Command, short_help="Union ratios of an engine's top-k dump, per layer and G.")
