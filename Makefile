@@ -1,6 +1,7 @@
 # Two entry points (README): `make bench` runs the main job, `make test` runs the tests.
-# Both install what they need first. On a machine without torch, the CPU build torch==2.13.0 is
-# installed; a machine with torch (a GPU box) keeps its own.
+# Both install what they need first: `make bench` the package with its `bench` extra (the CLI and benchmark stack),
+# `make test` with its `test` extra (bench + pytest, hypothesis, NVRTC). On a machine without torch, the CPU build
+# torch==2.13.0 is installed; a machine with torch (a GPU box) keeps its own.
 PYTHON ?= python3
 PYTEST_ARGS ?= -q
 
@@ -9,11 +10,16 @@ PYTEST_ARGS ?= -q
 GLUON_TRITON ?= 3.6.0
 GLUON_TRITON_DIR ?= .cache/triton-gluon
 
-.PHONY: install test bench lint gluon-triton
+.PHONY: install install-bench install-torch test bench lint gluon-triton
 
-install:
+install-torch:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
+
+install: install-torch
 	@$(PYTHON) -m pip install -q -e '.[test]'
+
+install-bench: install-torch
+	@$(PYTHON) -m pip install -q -e '.[bench]'
 
 gluon-triton:
 	@test -f $(GLUON_TRITON_DIR)/triton/__init__.py || $(PYTHON) -m pip install -q --no-deps --target $(GLUON_TRITON_DIR) triton==$(GLUON_TRITON)
@@ -21,8 +27,8 @@ gluon-triton:
 test: install gluon-triton
 	GLUON_TRITON_DIR=$(abspath $(GLUON_TRITON_DIR)) $(PYTHON) -m pytest $(PYTEST_ARGS)
 
-bench: install
-	sparse-mla bench
+bench: install-bench
+	$(PYTHON) -m sparse_mla bench
 
 lint:
 	ruff check .

@@ -1,29 +1,48 @@
 """The ``sparse-mla`` command line: ``bench`` (the main job), ``report`` and ``topk-stats``.
 
 Kernel modules are imported inside the commands, after TRITON_INTERPRET is decided: Triton reads
-it when a kernel is defined.
+it when a kernel is defined. The command line and the benchmarks need the ``bench`` extra
+(``BENCH_PACKAGES``); without it ``sparse-mla`` exits with a message that names it.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import sys
 from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
-import typer
-from typer.core import TyperCommand, TyperGroup
-
 from . import env
+
+# The packages of the `bench` extra (pyproject.toml) that the CLI and the benchmarks import; a core install
+# (`pip install sparse-mla`) has none of them.
+BENCH_PACKAGES = ("typer", "click", "rich", "tqdm", "safetensors", "matplotlib")
+NEEDS_BENCH_EXTRA = "sparse-mla: the command line needs the bench extra: pip install 'sparse-mla[bench]'"
+
+try:
+    import typer
+    from typer.core import TyperCommand, TyperGroup
+except ModuleNotFoundError as e:  # `sparse-mla` / `python -m sparse_mla` on a core install
+    if e.name not in BENCH_PACKAGES:
+        raise
+    sys.exit(f"{NEEDS_BENCH_EXTRA} ({e.name} is not installed)")
 
 
 class _PlainHelp:
     """Help screens as users read them: the usage line names arguments plainly (``FILE``, not typer's
-    ``{FILE}``), and ``--help`` shows no ``<bool>`` type."""
+    ``{FILE}``), and ``--help`` and the other flags show no ``<bool>`` type."""
 
     def collect_usage_pieces(self, ctx):
         return [p[1:-1] if p.startswith("{") and p.endswith("}") else p for p in super().collect_usage_pieces(ctx)]
+
+    def get_params(self, ctx):
+        params = super().get_params(ctx)
+        for p in params:
+            if getattr(p, "is_flag", False) and not getattr(p, "count", False):
+                p.metavar = ""  # as for --help below: nothing in place of the type
+        return params
 
     def get_help_option(self, ctx):
         opt = super().get_help_option(ctx)
@@ -46,9 +65,41 @@ app = typer.Typer(
     "Run `sparse-mla bench` for the side-by-side benchmark.",
     no_args_is_help=True,
     add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},  # the subcommands inherit it
 )
 
 SPARSE_MLA_PATH_ENV = env.PATH.name  # sparse_mla.layer.dispatch.ENV_VAR (sparse_mla.env imports no torch)
+
+def version_line() -> str:
+    """``sparse-mla X (torch Y, triton Z)``: this package's version and those of the torch and Triton it runs on."""
+    from importlib import import_module
+
+    from . import __version__
+
+    def version(name: str) -> str:
+        try:
+            return import_module(name).__version__
+        except ImportError:
+            return "not installed"
+
+    return f"sparse-mla {__version__} (torch {version('torch')}, triton {version('triton')})"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(version_line())
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_print_version,
+                                          help="Print the versions of sparse-mla, torch and Triton, and exit.")] = False,
+) -> None:
+    pass
+
+
+SPARSE_MLA_PATH_ENV = "SPARSE_MLA_PATH"  # sparse_mla.layer.dispatch.ENV_VAR (not imported: it loads torch)
 # Default --trials: do_bench trials per path on one GPU, timed iterations per variant under torchrun,
 # one wall-clock run under the interpreter (not a performance number either way).
 TRIALS_GPU, TRIALS_TORCHRUN, TRIALS_INTERPRETER = 5, 3, 1
@@ -138,7 +189,7 @@ def _shapes(new_list: list[int] | None, cached_list: list[int] | None, default: 
 
 
 def _bench_torchrun(world: int, model: list[Model] | None, tp: int | None, new_list: list[int] | None, topk: int,
-                    overlap: str, trials: int | None, seed: int, json_out: str | None, plot_out: str | None,
+                    overlap: str, trials: int | None, seed: int, json_out: str | None, plot_out: str | None, wide: bool,
                     single_gpu_only: list[str]) -> None:
     """``bench`` under torchrun with WORLD_SIZE > 1: ShardQ vs TP on the W GPUs (sparse_mla.bench.shardq).
     ``single_gpu_only``: the options given that only the single-GPU benchmark takes (rejected)."""
@@ -167,7 +218,7 @@ def _bench_torchrun(world: int, model: list[Model] | None, tp: int | None, new_l
     plot_out = "out/bench_shardq.png" if plot_out is None else plot_out
     if plot_out:
         plot_shardq(plot_out, res["results"])
-    print_shardq_table(res["results"])
+    print_shardq_table(res["results"], wide=wide)
     typer.echo(f"wrote {json_out}" + (f" and {plot_out}" if plot_out else ""))
     _exit_on_failures([f"{r['model']} T={r['tokens']} {r['variant']}: check failed"
                        for r in res["results"] if r.get("check_ok") is False])
@@ -196,6 +247,7 @@ def bench(
     seed: Annotated[int, typer.Option(metavar="N", help="Seed of the inputs and synthetic lists.")] = 0,
     json_out: Annotated[str | None, typer.Option("--json", metavar="FILE", show_default="out/bench.json; out/bench_shardq.json under torchrun", help="Where to write the JSON results (results/ holds the committed GPU runs).")] = None,
     plot_out: Annotated[str | None, typer.Option("--plot", metavar="FILE", show_default="out/bench.png; out/bench_shardq.png under torchrun", help="PNG plot of time per path vs prompt length ('' for none).")] = None,
+    wide: Annotated[bool, typer.Option("--wide", help="Print the full table (every path's ms; it is always in the JSON) instead of the compact one that fits 80 columns.")] = False,
 ) -> None:
     """Layer-level benchmark: per scenario and model layout, the dispatcher's chosen path and the time of
     every other applicable DSA prefill path (dense MHA, masked MHA, grouped and per-token sparse MQA,
@@ -226,7 +278,7 @@ def bench(
                                  "(K = its columns)", param_hint=moot[0])
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        _bench_torchrun(world, model, tp, new_list, topk, overlap, trials, seed, json_out, plot_out,
+        _bench_torchrun(world, model, tp, new_list, topk, overlap, trials, seed, json_out, plot_out, wide,
                         _given(ctx, "dims", "cached", "topk_trace", "dtype", "kv_dtype"))
         return
     on_gpu = _kernel_device()
@@ -254,7 +306,7 @@ def bench(
 
         try:
             trace = load_trace(topk_trace)[0]
-        except (OSError, ValueError, TypeError) as e:
+        except (OSError, ValueError, TypeError, ImportError) as e:  # ImportError: a .safetensors file, no safetensors
             raise typer.BadParameter(str(e), param_hint="--topk-trace") from None
         shapes, k = [trace_shape(trace.topk)], trace.topk.shape[1]
     try:
@@ -282,43 +334,37 @@ def bench(
     report.write_json(json_out, meta, rows)
     if plot_out:
         report.plot(plot_out, rows, not on_gpu)
-    report.print_table(rows, not on_gpu)
+    report.print_table(rows, not on_gpu, wide=wide)
     typer.echo(f"wrote {json_out}" + (f" and {plot_out}" if plot_out else ""))
     _exit_on_failures([f"{r['scenario']} {f}" for r in rows for f in r["failures"]])
 
 
-@app.command("report", cls=_Command, short_help="Print a bench JSON as the README's markdown table.")
+@app.command("report", cls=_Command, short_help="Print the tables of a bench JSON (the README's with --markdown).")
 def report_cmd(
     json_path: Annotated[Path, typer.Argument(metavar="JSON", dir_okay=False, show_default=False,
-                                              help="A `sparse-mla bench` JSON, e.g. results/bench.json (a `--tp W` "
-                                                   "ShardQ JSON prints its ShardQ-vs-TP table).")],
+                                              help="A JSON of `sparse-mla bench` (e.g. results/bench.json; under "
+                                                   "torchrun its ShardQ-vs-TP one) or of a bench module "
+                                                   "(sparse_mla.bench.kv_fp8, .shardq_layer, .op).")],
+    wide: Annotated[bool, typer.Option("--wide", help="The full tables (every figure), not the compact ones that fit 80 columns.")] = False,
+    markdown: Annotated[bool, typer.Option("--markdown", help="Markdown tables; for `sparse-mla bench` JSON the README's table (the README's table is generated from the committed JSON, never typed).")] = False,
 ) -> None:
-    """Print the README's markdown table of a bench JSON (the README table is generated from the
-    committed JSON, never typed)."""
+    """Print a bench JSON as tables: compact by default (each fits 80 columns), every figure with --wide,
+    markdown with --markdown. Renders every JSON that `sparse-mla bench` and the bench modules write
+    (sparse_mla.bench.kinds); says so, and exits 2, for any other."""
     import json
 
-    from .bench.report import bench_rows, is_shardq_json, markdown_table
+    from .bench import kinds
 
     json_file = str(json_path)
     try:
         with open(json_file) as f:
             doc = json.load(f)
-        if is_shardq_json(doc):
-            from .bench.shardq import print_shardq_table  # a `--tp W` run under torchrun: ShardQ vs TP
-
-            print_shardq_table(doc["results"])
-            return
-        meta, rows = bench_rows(doc, json_file)
     except (OSError, ValueError) as e:
         raise typer.BadParameter(str(e), param_hint="JSON") from None
-    kinds = sorted({r["pad64_baseline"] for r in rows if r.get("pad64_baseline")})
-    baseline = f", pad-64 baseline {' / '.join(kinds)}" if kinds else ""
-    cache = f", kv cache {meta['kv_format']}" if meta.get("kv_format") else ""
-    typer.echo(f"<!-- `sparse-mla report {json_file}`: {meta.get('gpu', '?')}, rev {meta.get('git_revision', '?')}, "
-               f"{meta.get('date', '?')}, {meta.get('dtype', '?')}{cache}, top-k {meta.get('overlap', '?')}{baseline} -->")
-    if meta.get("timings_meaningful") is False:
-        typer.echo("(Triton interpreter run: the times are not performance numbers)\n")
-    typer.echo(markdown_table(rows))
+    try:
+        kinds.report(doc, json_file, wide=wide, markdown=markdown)
+    except ValueError as e:  # none of the kinds, or rows that lack a key its tables need (an OSError writing is not ours)
+        raise typer.BadParameter(str(e), param_hint="JSON") from None
 
 
 @app.command("topk-stats", cls=_Command, short_help="Union ratios of an engine's top-k dump, per layer and G.")
@@ -335,7 +381,7 @@ def topk_stats(
     gs = _parse_ints(group_sizes, "--group-sizes", minimum=1)
     try:
         rows = topk_stats_table(str(path), gs)
-    except (OSError, ValueError, TypeError) as e:
+    except (OSError, ValueError, TypeError, ImportError) as e:  # ImportError: a .safetensors file, no safetensors
         raise typer.BadParameter(str(e), param_hint="FILE") from None
     console = Console()
     for table in topk_stats_tables(rows, str(path)):
@@ -368,7 +414,12 @@ def topk_stats_tables(rows: list[dict], source: str) -> list:
 
 
 def main() -> None:
-    app(prog_name="sparse-mla")
+    try:
+        app(prog_name="sparse-mla")
+    except ModuleNotFoundError as e:  # typer is there but another package of the extra is not
+        if e.name not in BENCH_PACKAGES:
+            raise
+        sys.exit(f"{NEEDS_BENCH_EXTRA} ({e.name} is not installed)")
 
 
 if __name__ == "__main__":

@@ -210,6 +210,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--variants", default="", help=f"only these rows, comma-separated, of {', '.join(VARIANTS)} "
                     "(default: all; --sweep-configs adds its rows either way)")
     ap.add_argument("--json", default="out/kv_fp8.json", help="where to write the results")
+    ap.add_argument("--wide", action="store_true", help="print every figure (backend, floor, dequantization, spread)")
     a = ap.parse_args(argv)
     if a.rows < a.tokens or min(a.tokens, a.topk) < 1:
         ap.error(f"need tokens >= 1, topk >= 1 and rows >= tokens, got {a.tokens}, {a.topk}, {a.rows}")
@@ -229,7 +230,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for H in _ints(a.grouped_heads):
         rows += run_case("grouped", H, a.tokens, a.topk, a.rows, dtype=dtype, device=device, trials=a.trials,
                          scale_format=a.scale_format, sweep=a.sweep_configs, only=only)
-    meta = dict(command=" ".join(["python -m sparse_mla.bench.kv_fp8", *(argv if argv is not None else sys.argv[1:])]),
+    meta = dict(kind="kv_fp8",
+                command=" ".join(["python -m sparse_mla.bench.kv_fp8", *(argv if argv is not None else sys.argv[1:])]),
                 git_revision=git_revision(), sparse_mla_version=package_version(),
                 gpu=torch.cuda.get_device_name() if on_gpu else "none (CPU, Triton interpreter)",
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__,
@@ -237,17 +239,57 @@ def main(argv: list[str] | None = None) -> list[dict]:
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
     with open(a.json, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print(f"\n{'case':<18} {'variant':<20} {'backend':<10} {'ms':>8} {'TFLOP/s':>8} {'floor ms':>8} {'row err':>8} "
-          f"{'vs bf16':>8}")
-    for r in rows:
-        if "error" in r:
-            print(f"{r['case']:<18} {r['variant']:<20} {r['backend']:<10} {r['error']}")
-            continue
-        print(f"{r['case']:<18} {r['variant']:<20} {r['backend']:<10} {r['ms']:8.3f} {r['tflops']:8.1f} {r['floor_ms']:8.3f} "
-              f"{r['max_row_err']:8.1e} {r['max_row_err_vs_bf16_cache']:8.1e}"
-              + (f"  (dequant alone {r['dequant_ms']:.3f} ms)" if "dequant_ms" in r else ""))
+    print()
+    print(format_rows(rows, wide=a.wide, interpreted=not on_gpu))
     print(f"wrote {a.json}" + ("" if on_gpu else " (Triton interpreter: the times are not performance numbers)"))
     return rows
+
+
+COMPACT_COLUMNS = ("case", "variant", "ms", "TFLOP/s", "row err", "vs bf16")  # fits 80 columns
+WIDE_COLUMNS = ("case", "variant", "backend", "ms", "p20", "p80", "TFLOP/s", "floor ms", "row err", "vs bf16", "dequant ms")
+
+
+def _row_figures(r: dict) -> dict[str, str]:
+    def f(key: str, spec: str) -> str:
+        return "-" if r.get(key) is None else format(r[key], spec)
+
+    return {"case": r["case"], "variant": r["variant"],
+            "backend": r.get("backend", "-") + (f":{r['schedule']}" if r.get("schedule") else ""),
+            "ms": "ERR" if "error" in r else f("ms", ".3f"), "p20": f("p20_ms", ".3f"), "p80": f("p80_ms", ".3f"),
+            "TFLOP/s": f("tflops", ".1f"), "floor ms": f("floor_ms", ".3f"),
+            "row err": f("max_row_err", ".1e") + ("!" if r.get("check_ok") is False else ""),
+            "vs bf16": f("max_row_err_vs_bf16_cache", ".1e"), "dequant ms": f("dequant_ms", ".3f")}
+
+
+def row_cells(rows: list[dict], wide: bool = False) -> tuple[list[str], list[list[str]]]:
+    """(head, cells) of ``run_case`` rows: ``COMPACT_COLUMNS`` (case, variant, ms, TFLOP/s, max row error against the
+    reference of the cache read and against the bf16 cache's; "!" after a failed check, ERR for a row that raised),
+    or with ``wide`` ``WIDE_COLUMNS`` (the backend and its schedule, the trial quantiles, the floor and the
+    dequantization alone as well)."""
+    head = list(WIDE_COLUMNS if wide else COMPACT_COLUMNS)
+    return head, [[fig[h] for h in head] for fig in map(_row_figures, rows)]
+
+
+def tables(rows: list[dict], wide: bool = False, interpreted: bool = False) -> list:
+    """The rich table of ``row_cells``, then the errors of the rows that raised; ``interpreted``: a Triton-interpreter
+    run (its banner in the title)."""
+    from .report import make_table
+
+    head, cells = row_cells(rows, wide)
+    note = " [INTERPRETER: timings not meaningful]" if interpreted else ""
+    caption = ("ms per call; row err = max per-(token, head) row error vs the reference of the cache read, vs bf16 = "
+               "vs the bf16 cache's" + ("" if wide else "; --wide: backend, floor, dequantization"))
+    failed = [r.get("check_ok") is False or "error" in r for r in rows]
+    out: list = [make_table("bf16 vs FP8 cache, attention kernels" + note, head, cells, caption=caption,
+                            left=(0, 1, 2) if wide else (0, 1), failed=failed)]
+    return out + [f"{r['case']} / {r['variant']}: {r['error']}" for r in rows if "error" in r]
+
+
+def format_rows(rows: list[dict], wide: bool = False, width: int | None = None, interpreted: bool = False) -> str:
+    """``tables`` as text, ``width`` columns wide (default 80; ``wide``: as wide as the table needs)."""
+    from .report import render_text
+
+    return render_text(*tables(rows, wide, interpreted), width=width, wide=wide)
 
 
 if __name__ == "__main__":

@@ -408,7 +408,7 @@ SUITES = {"grouped": _grouped, "nooverlap": _nooverlap, "protocol": _protocol, "
 def provenance() -> dict:
     from .report import git_revision, package_version
 
-    return {"command": " ".join([sys.executable.split("/")[-1], *sys.argv]), "git_revision": git_revision(),
+    return {"kind": "op", "command": " ".join([sys.executable.split("/")[-1], *sys.argv]), "git_revision": git_revision(),
             "sparse_mla_version": package_version(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -443,6 +443,89 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as f:
                 json.dump({"meta": provenance(), "rows": rows}, f, indent=1)
     return 0
+
+
+# ------------------------------------------------------------------------------------------- tables
+# Rendered by `sparse-mla report` (sparse_mla.bench.kinds) from a JSON that main() wrote.
+COMPACT_COLUMNS = ("case", "per_token", "grouped", "auto", "base", "auto vs", "max err")  # fits 80 columns
+WIDE_COLUMNS = ("case", "T", "union (G)", "per_token", "grouped", "auto", "drop_in", "base", "baseline", "auto vs",
+                "floor pt", "floor grp", "max err", "auto host us")
+
+
+def _ms_cell(rec: dict | None) -> str:
+    """A call's ms ("!" after a failed check), ERR if it raised, "-" where it did not run."""
+    if not rec:
+        return "-"
+    if "error" in rec:
+        return "ERR"
+    return _num(rec.get("ms"), ".3g") + ("!" if rec.get("ok") is False else "")
+
+
+def _num(v: float | None, spec: str) -> str:
+    return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
+
+
+def _speedup(v: float | None) -> str:
+    return "-" if v is None else _num(v, ".2f") + "x"
+
+
+def _failed(row: dict) -> bool:
+    """Whether a call of the row failed its check or raised."""
+    return any(rec.get("ok") is False or "error" in rec for rec in row.get("calls", {}).values())
+
+
+def _row_figures(row: dict) -> dict[str, str]:
+    calls = row.get("calls", {})
+    errs = [rec["max_row_err"] for rec in calls.values() if "max_row_err" in rec]
+    union = "-" if row.get("union_ratio") is None else f"{row['union_ratio']:.2f} ({row.get('group_size')})"
+    floors_ms = row.get("floor_ms", {})
+    return {"case": row["case"], "T": str(row.get("tokens", "-")), "union (G)": union,
+            **{name: _ms_cell(calls.get(name)) for name in CALLS if name != "flashmla"},
+            "base": _ms_cell(calls.get("flashmla")), "baseline": row.get("baseline", "-"),
+            "auto vs": _speedup(calls.get("auto", {}).get("vs_flashmla")),
+            "floor pt": _num(floors_ms.get("per_token"), ".3g"), "floor grp": _num(floors_ms.get("grouped"), ".3g"),
+            "max err": (_num(max(errs), ".1e") if errs else "-") + ("!" if _failed(row) else ""),
+            "auto host us": _num(calls.get("auto", {}).get("host_us"), ".0f")}
+
+
+def row_cells(rows: list[dict], wide: bool = False) -> tuple[list[str], list[list[str]]]:
+    """(head, cells) of ``run_case`` rows: ``COMPACT_COLUMNS`` (case, ms of per_token / grouped / auto and of the
+    baseline, auto's speedup over the baseline, max row error over the calls; "!" after a failed check, ERR for a
+    call that raised, "-" for one that did not run) or with ``wide`` ``WIDE_COLUMNS`` (tokens, union ratio, drop_in,
+    which baseline ran, the floors, auto's host time as well)."""
+    head = list(WIDE_COLUMNS if wide else COMPACT_COLUMNS)
+    return head, [[fig[h] for h in head] for fig in map(_row_figures, rows)]
+
+
+CAPTION = ("ms per call; base = the baseline (FlashMLA's sparse prefill, or pad64_sparse_mla where FlashMLA is not "
+           "importable: this package's per-token call on q padded to 64 heads); auto vs = the baseline's time over auto's")
+
+
+def tables(rows: list[dict], wide: bool = False, interpreted: bool = False) -> list:
+    """The rich table of ``row_cells``, then the errors of the calls that raised."""
+    from .report import make_table
+
+    head, cells = row_cells(rows, wide)
+    note = " [INTERPRETER: timings not meaningful]" if interpreted else ""
+    out: list = [make_table("sparse-mla op bench" + note, head, cells,
+                            caption=CAPTION + ("" if wide else "; --wide: more"), left=(0, 8) if wide else (0,),
+                            failed=[_failed(row) for row in rows])]
+    return out + [f"{row['case']} / {name}: {rec['error']}" for row in rows for name, rec in row.get("calls", {}).items()
+                  if "error" in rec]
+
+
+def format_rows(rows: list[dict], wide: bool = False, width: int | None = None, interpreted: bool = False) -> str:
+    """``tables`` as text, ``width`` columns wide (default 80; ``wide``: as wide as the table needs)."""
+    from .report import render_text
+
+    return render_text(*tables(rows, wide, interpreted), width=width, wide=wide)
+
+
+def markdown_rows(rows: list[dict]) -> str:
+    """The wide table of ``row_cells`` as a markdown table."""
+    from .report import markdown_cells
+
+    return markdown_cells(*row_cells(rows, wide=True))
 
 
 if __name__ == "__main__":

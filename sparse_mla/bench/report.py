@@ -1,8 +1,11 @@
-"""Report of ``sparse-mla bench``: JSON with provenance, terminal table (rich), README markdown
-table, PNG plot (matplotlib).
+"""Report of ``sparse-mla bench``: JSON with provenance, terminal table (rich; compact to fit 80 columns, or
+``wide``), README markdown table, PNG plot (matplotlib); and the table helpers the other bench modules use
+(``make_table``, ``print_tables``, ``render_text``, ``markdown_cells``). rich and matplotlib (the ``bench`` extra)
+are imported inside the functions.
 
-JSON: {"meta": ``provenance`` + run settings + ``FIELD_NOTES``, "results": [row, ...]}, one row per
-scenario as ``runner.run_scenario`` returns it (keys described in ``FIELD_NOTES``).
+JSON: {"meta": ``provenance`` (kind "layer") + run settings + ``FIELD_NOTES``, "results": [row, ...]}, one row per
+scenario as ``runner.run_scenario`` returns it (keys described in ``FIELD_NOTES``). ``sparse_mla.bench.kinds``
+renders it, and the JSON of every other bench, for ``sparse-mla report``.
 """
 
 from __future__ import annotations
@@ -90,9 +93,10 @@ def package_version() -> str:
     return sparse_mla.__version__
 
 
-def provenance(interpreted: bool, trials: int) -> dict:
-    """Command, git revision and version of the package (``git_revision``, ``package_version``), GPU, date,
-    versions and the timing method for the JSON's meta."""
+def provenance(interpreted: bool, trials: int, kind: str = "layer") -> dict:
+    """The JSON's meta: its ``kind`` (``sparse_mla.bench.kinds``: what ``sparse-mla report`` renders), command, git
+    revision and version of the package (``git_revision``, ``package_version``), GPU, date, versions and the timing
+    method."""
     rev = git_revision()
     import torch
     import triton
@@ -100,6 +104,7 @@ def provenance(interpreted: bool, trials: int) -> dict:
     from .timing import QUANTILES, REP_MS, WARMUP_MS
 
     return {
+        "kind": kind,
         "command": " ".join(["sparse-mla", *sys.argv[1:]]),
         "git_revision": rev,
         "sparse_mla_version": package_version(),
@@ -145,28 +150,94 @@ def _path_ms(r: dict, name: str) -> str:
     return _ms(rec.get("ms")) + ("!" if rec.get("check_ok") is False else "")
 
 
-def print_table(rows: list[dict], interpreted: bool, width: int | None = None) -> None:
-    """The terminal table (fits 120 columns): scenario, H, union ratio, chosen path and its ms, ms
-    of every path ("-" where unsupported, "!" after a failed check, ERR if it raised), the chosen
-    path's speedups vs per-token and vs pad-64, max rel err. ``width``: the console's (default: the
-    terminal's, 120 when stdout is not a terminal)."""
+def make_table(title: str | None, head: list[str], cells: list[list[str]], *, caption: str | None = None,
+               left: tuple[int, ...] = (0,), failed: list[bool] | None = None):
+    """A rich table of the CLI, one space between columns: the columns ``left`` left-justified (names), the others
+    right-justified (numbers); only the first column may fold (when the table is wider than the console), no cell
+    is ever cut; rows with ``failed[i]`` in red."""
     from rich import box
-    from rich.console import Console
     from rich.table import Table
 
-    title = "sparse-mla bench: ms per layer call" + (" [INTERPRETER: timings not meaningful]" if interpreted else "")
-    table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 0), caption="chosen = dispatcher's choice; "
-                  "vs pt / vs 64 = its speedup over mqa_per_token / over pad64 (q padded to 64 heads)")
+    table = Table(title=title, caption=caption, box=box.SIMPLE_HEAD, padding=(0, 0), title_justify="left",
+                  caption_justify="left")
+    for i, name in enumerate(head):
+        table.add_column(name, justify="left" if i in left else "right", no_wrap=i > 0, overflow="fold")
+    for i, row in enumerate(cells):
+        table.add_row(*row, style="red" if failed and failed[i] else None)
+    return table
+
+
+def print_tables(*renderables, width: int | None = None, wide: bool = False, file=None) -> None:
+    """Print tables (and text) on a console ``width`` columns wide, by default the terminal's (off a terminal:
+    $COLUMNS, else 80). ``wide``: at least as wide as the widest table, so that nothing is cut (a terminal
+    narrower than that wraps the lines instead). ``file``: where to (default: stdout)."""
+    from rich.console import Console
+
+    console = Console(width=width, markup=False, file=file)
+    if wide and renderables:
+        need = max(console.measure(r, options=console.options.update_width(10**4)).maximum for r in renderables)
+        console = Console(width=max(console.width, need), markup=False, file=file)
+    for i, r in enumerate(renderables):
+        if i:
+            console.print()
+        console.print(r)
+
+
+def render_text(*renderables, width: int | None = None, wide: bool = False) -> str:
+    """What ``print_tables`` prints, as plain text (no colour), ``width`` columns wide (default 80)."""
+    import io
+
+    buf = io.StringIO()
+    print_tables(*renderables, width=width or 80, wide=wide, file=buf)
+    return buf.getvalue()
+
+
+def markdown_cells(head: list[str], cells: list[list[str]]) -> str:
+    """A markdown table of ``head`` and ``cells`` (the format of ``markdown_table``)."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(row) + " |" for row in cells]
+    return "\n".join(lines)
+
+
+TABLE_CAPTION = {
+    False: "chosen = the dispatcher's choice, ms its time; per_tok = mqa_per_token ms; vs pt / vs 64 = the chosen "
+           "path's speedup over mqa_per_token / over pad64 (q padded to 64 heads); ! = failed check; --wide: every path",
+    True: "chosen = dispatcher's choice; vs pt / vs 64 = its speedup over mqa_per_token / over pad64 (q padded to 64 "
+          "heads)",
+}
+
+
+def table_cells(rows: list[dict], wide: bool = False) -> tuple[list[str], list[list[str]]]:
+    """(head, cells) of the terminal table of bench rows. Compact (fits 80 columns): scenario, H, chosen path, its
+    ms, mqa_per_token ms, the chosen path's speedups vs per-token and vs pad-64, max rel err. ``wide``: union ratio
+    and the ms of every path ("-" where unsupported, "!" after a failed check, ERR if it raised) as well."""
+    if not wide:
+        head = ["scenario", "H", "chosen", "ms", "per_tok", "vs pt", "vs 64", "max err"]
+        cells = [[r["scenario"], str(r["heads"]), SHORT.get(r["chosen_path"], "-"), _ms(r["chosen_ms"]),
+                  _path_ms(r, "mqa_per_token"), _x(r["chosen_speedup_vs_per_token"]), _x(r["chosen_speedup_vs_pad64"]),
+                  _err(r["max_rel_err"])] for r in rows]
+        return head, cells
     cols = path_columns(rows)
-    for col in ("scenario", "H", "union", "chosen (ms)", *(SHORT[p] for p in cols), "vs pt", "vs 64", "max err"):
-        table.add_column(col, justify="left" if col == "scenario" else "right", no_wrap=True)
-    for r in rows:
-        table.add_row(
-            r["scenario"], str(r["heads"]), _ratio(r["union_ratio"]),
-            f"{SHORT.get(r['chosen_path'], '-')} {_ms(r['chosen_ms'])}", *(_path_ms(r, p) for p in cols),
-            _x(r["chosen_speedup_vs_per_token"]), _x(r["chosen_speedup_vs_pad64"]), _err(r["max_rel_err"]),
-        )
-    Console(width=width or (None if sys.stdout.isatty() else 120)).print(table)
+    head = ["scenario", "H", "union", "chosen (ms)", *(SHORT[p] for p in cols), "vs pt", "vs 64", "max err"]
+    cells = [[r["scenario"], str(r["heads"]), _ratio(r["union_ratio"]),
+              f"{SHORT.get(r['chosen_path'], '-')} {_ms(r['chosen_ms'])}", *(_path_ms(r, p) for p in cols),
+              _x(r["chosen_speedup_vs_per_token"]), _x(r["chosen_speedup_vs_pad64"]), _err(r["max_rel_err"])]
+             for r in rows]
+    return head, cells
+
+
+def bench_table(rows: list[dict], interpreted: bool, wide: bool = False):
+    """The rich table of ``table_cells`` with its title and caption."""
+    title = "sparse-mla bench: ms per layer call" + (" [INTERPRETER: timings not meaningful]" if interpreted else "")
+    head, cells = table_cells(rows, wide)
+    return make_table(title, head, cells, caption=TABLE_CAPTION[wide], left=(0,) if wide else (0, 2),
+                      failed=[bool(r.get("failures")) for r in rows])
+
+
+def print_table(rows: list[dict], interpreted: bool, width: int | None = None, wide: bool = False) -> None:
+    """The terminal table of bench rows (``table_cells``: compact, fits 80 columns; ``wide``: every path).
+    ``width``: the console's (``print_tables``)."""
+    print_tables(bench_table(rows, interpreted, wide), width=width, wide=wide)
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -177,16 +248,15 @@ def markdown_table(rows: list[dict]) -> str:
     head = ["scenario", "H", "union ratio (G)", "chosen path", "chosen ms (TFLOP/s)",
             *(f"{p} ms" for p in cols), "chosen vs per_token", "chosen vs pad-64", "union build ms", "max rel err",
             *(["max rel err vs bf16 cache"] if fp8 else [])]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    cells = []
     for r in rows:
         tf = r.get("chosen_tflops")
-        cells = [r["scenario"], str(r["heads"]), f"{_ratio(r['union_ratio'])} ({r['group_size']})", r["chosen_path"] or "-",
-                 f"{_ms(r['chosen_ms'])} ({tf:.0f})" if tf is not None else "-",
-                 *(_path_ms(r, p) for p in cols), _x(r["chosen_speedup_vs_per_token"]),
-                 _x(r["chosen_speedup_vs_pad64"]), _ms(r["union_build"]["ms"]), _err(r["max_rel_err"]),
-                 *([_err(r.get("max_rel_err_vs_bf16_cache"))] if fp8 else [])]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        cells.append([r["scenario"], str(r["heads"]), f"{_ratio(r['union_ratio'])} ({r['group_size']})",
+                      r["chosen_path"] or "-", f"{_ms(r['chosen_ms'])} ({tf:.0f})" if tf is not None else "-",
+                      *(_path_ms(r, p) for p in cols), _x(r["chosen_speedup_vs_per_token"]),
+                      _x(r["chosen_speedup_vs_pad64"]), _ms(r["union_build"]["ms"]), _err(r["max_rel_err"]),
+                      *([_err(r.get("max_rel_err_vs_bf16_cache"))] if fp8 else [])])
+    return markdown_cells(head, cells)
 
 
 def write_json(path: str, meta: dict, rows: list[dict], **extra: object) -> None:
@@ -194,11 +264,6 @@ def write_json(path: str, meta: dict, rows: list[dict], **extra: object) -> None
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump({"meta": meta, "results": rows, **extra}, f, indent=1)
-
-
-def is_shardq_json(doc: object) -> bool:
-    """Whether a loaded JSON is a ``--tp W`` run under torchrun (ShardQ vs TP rows and a summary)."""
-    return isinstance(doc, dict) and "summary" in doc and bool(doc.get("meta", {}).get("world_size"))
 
 
 def bench_rows(doc: object, path: str) -> tuple[dict, list[dict]]:
@@ -292,5 +357,6 @@ def plot(path: str, rows: list[dict], interpreted: bool) -> dict:
     return {"title": title, "panels": drawn}
 
 
-__all__ = ["git_revision", "provenance", "print_table", "markdown_table", "write_json", "bench_rows", "is_shardq_json", "plot",
-           "FIELD_NOTES", "SHORT", "path_columns"]
+__all__ = ["git_revision", "provenance", "print_table", "table_cells", "bench_table", "markdown_table", "make_table",
+           "print_tables", "render_text", "markdown_cells", "write_json", "bench_rows", "plot", "FIELD_NOTES", "SHORT",
+           "path_columns"]

@@ -413,7 +413,7 @@ def run_shardq_bench(
         return None
     from .report import provenance
 
-    meta = provenance(interpreted=device.type != "cuda", trials=trials)
+    meta = provenance(interpreted=device.type != "cuda", trials=trials, kind="shardq")
     meta.update(
         command=_command(),
         argv=list(sys.argv),
@@ -448,51 +448,90 @@ def _fmt(v: float | None, spec: str) -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
-def print_shardq_table(results: list[dict]) -> None:
-    """Print the rows of ``run_shardq_bench`` (times ms, TFLOP/s, union ratio, errors) and the
-    ShardQ-over-TP speedups as rich tables on the terminal."""
-    from rich.console import Console
-    from rich.table import Table
+def shardq_cells(results: list[dict], wide: bool = False) -> tuple[list[str], list[list[str]]]:
+    """(head, cells) of the rows of ``run_shardq_bench``. Compact (fits 80 columns): model, W, T, variant, total /
+    attention / exchange (q + out) ms, err vs ref ("!" after a failed check). ``wide``: G, the two exchanges apart,
+    the attention imbalance, TFLOP/s, union ratio and err vs tp as well."""
+    def fail(r: dict) -> str:
+        return ("!" if r.get("check_ok") is False else "") + (" NaN" if r.get("nan") else "")
+
+    if not wide:
+        head = ["model", "W", "T", "variant", "total", "attn", "xchg", "err vs ref"]
+        cells = [[r["model"], str(r["tp"]), str(r["tokens"]), r["variant"], _fmt(r["total_ms"], ".3f"),
+                  _fmt(r["attn_ms"], ".3f"), _fmt(r["xchg_q_ms"] + r["xchg_out_ms"], ".3f"),
+                  _fmt(r.get("err_vs_ref"), ".1e") + fail(r)] for r in results]
+        return head, cells
+    head = ["model", "W", "T", "variant", "G", "total ms", "attn ms", "imbal", "xchg q ms", "xchg out ms", "TFLOP/s",
+            "union_g", "err vs tp", "err vs ref"]
+    cells = [[r["model"], str(r["tp"]), str(r["tokens"]), r["variant"], str(r["group_size"]), _fmt(r["total_ms"], ".3f"),
+              _fmt(r["attn_ms"], ".3f"), _fmt(r["attn_imbalance"], ".2f"), _fmt(r["xchg_q_ms"], ".3f"),
+              _fmt(r["xchg_out_ms"], ".3f"), _fmt(r["tflops"], ".1f"), _fmt(r["union_g"], ".2f"),
+              _fmt(r.get("err_vs_tp"), ".1e"), _fmt(r.get("err_vs_ref"), ".1e") + fail(r)] for r in results]
+    return head, cells
+
+
+def summary_cells(results: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """(head, cells) of ``shardq_summary``: per (model, W, T) the best TP and ShardQ variants, their total ms and
+    the speedup (fits 80 columns)."""
+    head = ["model", "W", "T", "best TP", "ms", "best ShardQ", "ms ", "speedup"]
+    cells = [[s["model"], str(s["tp"]), str(s["tokens"]), s["tp_best_variant"], _fmt(s["tp_best_ms"], ".3f"),
+              s["shardq_best_variant"], _fmt(s["shardq_best_ms"], ".3f"), _fmt(s["speedup"], ".2f") + "x"]
+             for s in shardq_summary(results)]
+    return head, cells
+
+
+def cost_model_cells(modelled: list[dict], wide: bool = False) -> tuple[list[str], list[list[str]]]:
+    """(head, cells) of ``cost_model.model_vs_measured`` rows. Compact (fits 80 columns): model, W, T, variant, total
+    ms measured / modelled / error, speedup measured / modelled. ``wide``: the exchange's three figures as well."""
+    xchg = ["xchg ms", "model", "err"] if wide else []
+    head = ["model", "W", "T", "variant", *xchg, "total ms", "model ", "err ", "speedup", "model  "]
+    cells = []
+    for m in modelled:
+        x = [_fmt(m["measured_xchg_ms"], ".2f"), _fmt(m["model_xchg_ms"], ".2f"), f"{m['xchg_err']:+.1%}"] if wide else []
+        cells.append([m["model"], str(m["tp"]), str(m["tokens"]), m["variant"], *x, _fmt(m["measured_total_ms"], ".2f"),
+                      _fmt(m["model_total_ms"], ".2f"), f"{m['total_err']:+.1%}", _fmt(m["measured_speedup"], ".2f"),
+                      _fmt(m["model_speedup"], ".2f")])
+    return head, cells
+
+
+def shardq_tables(results: list[dict], wide: bool = False) -> list:
+    """The rich tables of a ``run_shardq_bench`` run: its rows (``shardq_cells``), the ShardQ-over-TP speedups
+    (``summary_cells``) and, for a GPU run, the cost model beside the measurement (``cost_model_cells``)."""
+    from ..distributed.cost_model import model_vs_measured
+    from .report import make_table
 
     interpreted = any(r.get("interpreted") for r in results)
     note = " [INTERPRETER: timings not meaningful]" if interpreted else ""
-    table = Table(title="ShardQ vs TP: ms per layer (total, attention, exchanges), useful TFLOP/s" + note)
-    for col in ("model", "W", "T", "variant", "G", "total ms", "attn ms", "imbal", "xchg q ms", "xchg out ms",
-                "TFLOP/s", "union_g", "err vs tp", "err vs ref"):
-        table.add_column(col, justify="right")
-    for r in results:
-        err_tp, err_ref = _fmt(r.get("err_vs_tp"), ".1e"), _fmt(r.get("err_vs_ref"), ".1e")
-        if r.get("check_ok") is False:
-            err_ref = f"[red]FAIL {err_ref}{' NaN' if r.get('nan') else ''}[/red]"
-        table.add_row(r["model"], str(r["tp"]), str(r["tokens"]), r["variant"], str(r["group_size"]),
-                      _fmt(r["total_ms"], ".3f"), _fmt(r["attn_ms"], ".3f"), _fmt(r["attn_imbalance"], ".2f"),
-                      _fmt(r["xchg_q_ms"], ".3f"), _fmt(r["xchg_out_ms"], ".3f"), _fmt(r["tflops"], ".1f"),
-                      _fmt(r["union_g"], ".2f"), err_tp, err_ref)
-    console = Console()
-    if not console.is_terminal:  # a log file: no 80-column squeeze
-        console.width = max(console.width, 180)
-    console.print(table)
-    summary = Table(title="ShardQ speedup over TP (best total ms of each)" + note)
-    for col in ("model", "W", "T", "best TP", "ms", "best ShardQ", "ms ", "speedup"):
-        summary.add_column(col, justify="right")
-    for s in shardq_summary(results):
-        summary.add_row(s["model"], str(s["tp"]), str(s["tokens"]), s["tp_best_variant"], _fmt(s["tp_best_ms"], ".3f"),
-                        s["shardq_best_variant"], _fmt(s["shardq_best_ms"], ".3f"), _fmt(s["speedup"], ".2f") + "x")
-    console.print(summary)
-    from ..distributed.cost_model import model_vs_measured
-
-    modelled, note = model_vs_measured(results)
+    head, cells = shardq_cells(results, wide)
+    if wide:
+        title, caption = "ShardQ vs TP: ms per layer (total, attention, exchanges), useful TFLOP/s", None
+    else:
+        title = "ShardQ vs TP: ms per layer"
+        caption = "total / attn / xchg: ms per layer (xchg = q + out exchange); ! = failed check; --wide: more"
+    tables = [make_table(title + note, head, cells, caption=caption, left=(0, 3),
+                         failed=[r.get("check_ok") is False for r in results])]
+    head, cells = summary_cells(results)
+    tables.append(make_table("ShardQ speedup over TP (best total ms of each)" + note, head, cells, left=(0, 3, 5)))
+    modelled, link_note = model_vs_measured(results)
     if modelled:
-        mt = Table(title=f"Cost model beside the measurement ({note})")
-        for col in ("model", "W", "T", "variant", "xchg ms", "model", "err", "total ms", "model ", "err ", "speedup",
-                    "model  "):
-            mt.add_column(col, justify="right")
-        for m in modelled:
-            mt.add_row(m["model"], str(m["tp"]), str(m["tokens"]), m["variant"], _fmt(m["measured_xchg_ms"], ".2f"),
-                       _fmt(m["model_xchg_ms"], ".2f"), f"{m['xchg_err']:+.1%}", _fmt(m["measured_total_ms"], ".2f"),
-                       _fmt(m["model_total_ms"], ".2f"), f"{m['total_err']:+.1%}", _fmt(m["measured_speedup"], ".2f"),
-                       _fmt(m["model_speedup"], ".2f"))
-        console.print(mt)
+        head, cells = cost_model_cells(modelled, wide)
+        tables.append(make_table(f"Cost model beside the measurement ({link_note})", head, cells, left=(0, 3)))
+    return tables
+
+
+def print_shardq_table(results: list[dict], width: int | None = None, wide: bool = False) -> None:
+    """Print the tables of ``shardq_tables`` (compact: each fits 80 columns; ``wide``: every figure) on a console
+    ``width`` columns wide (``report.print_tables``: by default the terminal's)."""
+    from .report import print_tables
+
+    print_tables(*shardq_tables(results, wide), width=width, wide=wide)
+
+
+def markdown_shardq(results: list[dict]) -> str:
+    """The wide table of ``shardq_cells`` and the summary as markdown tables."""
+    from .report import markdown_cells
+
+    return "\n\n".join(markdown_cells(*cells) for cells in (shardq_cells(results, wide=True), summary_cells(results)))
 
 
 def plot_shardq(path: str, results: list[dict]) -> None:
@@ -531,4 +570,5 @@ def plot_shardq(path: str, results: list[dict]) -> None:
     plt.close(fig)
 
 
-__all__ = ["run_shardq_bench", "print_shardq_table", "plot_shardq", "shardq_summary", "VARIANTS"]
+__all__ = ["run_shardq_bench", "print_shardq_table", "shardq_tables", "markdown_shardq", "plot_shardq", "shardq_summary",
+           "VARIANTS"]

@@ -162,7 +162,7 @@ def run_shardq_layer_bench(models: list[tuple[str, int]], tokens: list[int], *, 
         return None
     from .report import provenance
 
-    meta = provenance(interpreted=device.type != "cuda", trials=trials)
+    meta = provenance(interpreted=device.type != "cuda", trials=trials, kind="shardq_layer")
     meta.update(argv=list(sys.argv), world_size=dist.get_world_size(), backend=str(dist.get_backend()),
                 dtype=str(dtype), nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"),
                 gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "none (CPU, Triton interpreter)",
@@ -173,17 +173,47 @@ def run_shardq_layer_bench(models: list[tuple[str, int]], tokens: list[int], *, 
     return {"meta": meta, "results": rows}
 
 
-def format_rows(rows: list[dict]) -> str:
-    lines = [f"{'model':14} {'W':>2} {'T':>6} {'variant':16} {'chunks':>6} {'total ms':>9} {'attn ms':>8} "
-             f"{'exposed x':>9} {'model ms':>8} {'err':>6} {'vs TP':>6} {'err vs ref':>10}"]
-    for r in rows:
-        m = f"{r['model_ms']:8.2f} {r['model_err']:+6.1%}" if "model_ms" in r else f"{'-':>8} {'-':>6}"
-        lines.append(f"{r['model']:14} {r['tp']:>2} {r['tokens']:>6} {r['variant']:16} {r['chunks']:>6} "
-                     f"{r['total_ms']:9.3f} {r['attention_ms']:8.3f} {r['exposed_exchange_ms']:9.3f} {m} "
-                     f"{r['speedup_vs_tp']:5.2f}x {r.get('err_vs_ref', float('nan')):10.1e}")
-    if any(r["interpreted"] for r in rows):
-        lines.insert(0, "INTERPRETER RUN: timings not meaningful")
-    return "\n".join(lines)
+COMPACT_COLUMNS = ("model", "W", "T", "variant", "n", "total", "exposed", "vs TP", "err vs ref")  # fits 80 columns
+WIDE_COLUMNS = ("model", "W", "T", "variant", "chunks", "total ms", "attn ms", "exposed x", "model ms", "err", "vs TP",
+                "err vs tp", "err vs ref")
+
+
+def _row_figures(r: dict) -> dict[str, str]:
+    def f(key: str, spec: str) -> str:
+        return "-" if r.get(key) is None else format(r[key], spec)
+
+    err_ref = f("err_vs_ref", ".1e") + ("!" if r.get("check_ok") is False else "")
+    return {"model": r["model"], "W": str(r["tp"]), "T": str(r["tokens"]), "variant": r["variant"], "n": str(r["chunks"]),
+            "chunks": str(r["chunks"]), "total": f("total_ms", ".3f"), "total ms": f("total_ms", ".3f"),
+            "attn ms": f("attention_ms", ".3f"), "exposed": f("exposed_exchange_ms", ".3f"),
+            "exposed x": f("exposed_exchange_ms", ".3f"), "model ms": f("model_ms", ".2f"), "err": f("model_err", "+.1%"),
+            "vs TP": f("speedup_vs_tp", ".2f") + "x", "err vs tp": f("err_vs_tp", ".1e"), "err vs ref": err_ref}
+
+
+def row_cells(rows: list[dict], wide: bool = False) -> tuple[list[str], list[list[str]]]:
+    """(head, cells) of ``run_shardq_layer_bench`` rows: ``COMPACT_COLUMNS`` (model, W, T, variant, chunks n, total
+    and exposed-exchange ms, speedup over TP, err vs ref with "!" after a failed check) or with ``wide``
+    ``WIDE_COLUMNS`` (attention ms, the cost model's ms and its error, err vs tp as well)."""
+    head = list(WIDE_COLUMNS if wide else COMPACT_COLUMNS)
+    return head, [[fig[h] for h in head] for fig in map(_row_figures, rows)]
+
+
+def tables(rows: list[dict], wide: bool = False) -> list:
+    """The rich table of ``row_cells`` (title marked for an interpreter run)."""
+    from .report import make_table
+
+    head, cells = row_cells(rows, wide)
+    note = " [INTERPRETER RUN: timings not meaningful]" if any(r.get("interpreted") for r in rows) else ""
+    caption = "ms per layer; exposed = exchange time not hidden behind attention" + ("" if wide else "; --wide: more")
+    return [make_table("ShardQ vs TP, layer level" + note, head, cells, caption=caption, left=(0, 3),
+                       failed=[r.get("check_ok") is False for r in rows])]
+
+
+def format_rows(rows: list[dict], wide: bool = False, width: int | None = None) -> str:
+    """``tables`` as text, ``width`` columns wide (default 80; ``wide``: as wide as the table needs)."""
+    from .report import render_text
+
+    return render_text(*tables(rows, wide), width=width, wide=wide)
 
 
 def main(argv: list[str] | None = None) -> None:  # pragma: no cover - torchrun entry point

@@ -10,7 +10,7 @@ File layouts read by ``load_trace`` (``save_trace`` writes the first of each):
   * a list of dicts ``{"topk": T, "valid": T, "layer": int}`` ("layer" optional), one per layer;
   * one such dict;
   * a flat dict ``{"layer_3.topk": T, "layer_3.valid": T, ...}`` (also ``layer3.topk``).
-.safetensors:
+.safetensors (needs the safetensors package: ``pip install 'sparse-mla[bench]'``):
   * ``layer_{L}.topk`` / ``layer_{L}.valid`` per layer L (``layer{L}.`` is read too);
   * or ``topk`` / ``valid`` for a single trace without a layer id.
 """
@@ -27,6 +27,19 @@ import torch
 _LAYER_KEY = re.compile(r"^layer_?(\d+)\.(topk|valid)$")
 _PT_SUFFIXES = (".pt", ".pth")
 _ST_SUFFIXES = (".safetensors",)
+
+
+def _safetensors_torch():
+    """``safetensors.torch``, imported when a .safetensors file is read or written (it is not a core dependency).
+
+    Raises:
+        ImportError: safetensors is not installed; the message names the extra that brings it.
+    """
+    try:
+        import safetensors.torch
+    except ImportError as e:
+        raise ImportError(".safetensors trace files need the safetensors package: pip install 'sparse-mla[bench]'") from e
+    return safetensors.torch
 
 
 @dataclass(frozen=True)
@@ -169,18 +182,18 @@ def load_trace(path: str | os.PathLike, *, device: str | torch.device = "cpu") -
         ValueError: an unknown suffix, an unreadable file, unexpected or missing keys, bad shapes
             or valid counts; the message names the file and the key.
         TypeError: a non-int32 tensor or a wrong object type, naming the file and the key.
+        ImportError: a .safetensors file without the safetensors package (the message names the extra).
     """
     path = os.fspath(path)
     suffix = _suffix(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"trace file not found: {path}")
+    st = None if suffix in _PT_SUFFIXES else _safetensors_torch()
     try:
-        if suffix in _PT_SUFFIXES:
+        if st is None:
             obj = torch.load(path, map_location="cpu", weights_only=True)
         else:
-            from safetensors.torch import load_file
-
-            obj = load_file(path, device="cpu")
+            obj = st.load_file(path, device="cpu")
     except Exception as e:  # the libraries raise assorted types for a corrupt file
         raise ValueError(f"{path}: cannot read as a {suffix} trace file: {type(e).__name__}: {e}") from e
     traces = _parse(obj, path)
@@ -199,6 +212,7 @@ def save_trace(path: str | os.PathLike, traces: TopkTrace | Sequence[TopkTrace])
         ValueError: an unknown suffix, no traces, or (.safetensors) several traces of which some
             have no layer or two share one.
         TypeError: an element that is not a ``TopkTrace``.
+        ImportError: a .safetensors file without the safetensors package (the message names the extra).
     """
     path = os.fspath(path)
     suffix = _suffix(path)
@@ -216,8 +230,7 @@ def save_trace(path: str | os.PathLike, traces: TopkTrace | Sequence[TopkTrace])
         else:
             torch.save([{"topk": k, "valid": v, **({} if layer is None else {"layer": layer})} for layer, k, v in cpu], path)
         return
-    from safetensors.torch import save_file
-
+    save_file = _safetensors_torch().save_file
     if single:
         save_file({"topk": cpu[0][1], "valid": cpu[0][2]}, path, metadata={"format": "sparse-mla-topk-trace"})
         return

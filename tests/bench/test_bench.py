@@ -10,22 +10,27 @@ error recording, ``best_path``, the timing quantiles, the union ratio and the pa
 the suite's device, and the JSON's provenance.
 """
 
+import contextlib
+import io
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 from testlib.device import DEVICE, DTYPE, HAS_CUDA, cpu_only
-from testlib.paths import RESULTS
+from testlib.paths import REPO, RESULTS
 from testlib.tolerances import LAYER_ROW_TOLERANCE, TOLERANCE, all_of, assert_rows_close
 from typer.testing import CliRunner
 
+import sparse_mla
 import sparse_mla.cli as cli
 from sparse_mla.bench.baselines import PAD64_NAME, PATH_COLUMNS
 from sparse_mla.bench.check import CHECK_TOLERANCE
@@ -115,7 +120,7 @@ def test_union_stats_ratio_from_sets(cached, new):
 
 @interpreter_bench
 def test_report_prints_table(bench_json):
-    res = RUNNER.invoke(app, ["report", str(bench_json)])
+    res = RUNNER.invoke(app, ["report", "--markdown", str(bench_json)])
     assert res.exit_code == 0, res.output
     for name in SCENARIOS:
         assert f"| {name} |" in res.output
@@ -125,7 +130,7 @@ def test_report_prints_table(bench_json):
 def test_report_renders_committed_results():
     """The committed GPU run (written before p20_ms / p80_ms existed) still renders."""
     rows = json.loads(COMMITTED.read_text())["results"]
-    res = RUNNER.invoke(app, ["report", str(COMMITTED)])
+    res = RUNNER.invoke(app, ["report", "--markdown", str(COMMITTED)])
     assert res.exit_code == 0, res.output
     assert "Triton interpreter" not in res.output
     for r in rows:
@@ -135,7 +140,7 @@ def test_report_renders_committed_results():
 def test_report_renders_committed_shardq_results():
     """A `--tp W` run's JSON (ShardQ vs TP) prints its own table rather than a schema error."""
     shardq = COMMITTED.parent / "bench_shardq.json"
-    res = RUNNER.invoke(app, ["report", str(shardq)], env={"COLUMNS": "200"})
+    res = RUNNER.invoke(app, ["report", str(shardq)], env={"COLUMNS": "80"})
     assert res.exit_code == 0, res.output
     for s in json.loads(shardq.read_text())["summary"]:
         assert f"{s['speedup']:.2f}x" in res.output
@@ -145,7 +150,7 @@ def test_report_rejects_other_json(tmp_path):
     f = tmp_path / "x.json"
     f.write_text(json.dumps({"meta": {}, "results": [{"scenario": "a"}]}))
     res = RUNNER.invoke(app, ["report", str(f)])
-    assert res.exit_code == 2 and "not a `sparse-mla bench` JSON" in flat(res.output)
+    assert res.exit_code == 2 and "not a JSON that `sparse-mla report` renders" in flat(res.output)
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs the git command")
@@ -354,22 +359,25 @@ def test_time_trials_quantiles(monkeypatch):
 # First-run polish: help screens, topk-stats at 80 columns, the CPU bench plot
 
 
+@pytest.mark.parametrize("help_flag", ["--help", "-h"])
 @pytest.mark.parametrize("args, usage", [
     pytest.param([], "Usage: sparse-mla [OPTIONS] COMMAND [ARGS]...", id="app"),
     pytest.param(["bench"], "Usage: sparse-mla bench [OPTIONS]", id="bench"),
     pytest.param(["report"], "Usage: sparse-mla report [OPTIONS] JSON", id="report"),
     pytest.param(["topk-stats"], "Usage: sparse-mla topk-stats [OPTIONS] FILE", id="topk-stats"),
 ])
-def test_help_screens(args, usage):
-    """Usage lines name arguments plainly (FILE / JSON, not {file}), no `--help <bool>`, no option shown as a
-    bare Python type (`<str>`, `<int>`), and every option but --help shows its default."""
-    res = RUNNER.invoke(app, [*args, "--help"], env={"COLUMNS": "80"}, prog_name="sparse-mla")
+def test_help_screens(args, usage, help_flag):
+    """-h as well as --help: usage lines name arguments plainly (FILE / JSON, not {file}), no `--help <bool>`, no
+    option shown as a bare Python type (`<str>`, `<int>`, `<bool>` for a flag), and every option but the flags
+    (--help, --version, --wide, --markdown) shows its default."""
+    res = RUNNER.invoke(app, [*args, help_flag], env={"COLUMNS": "80"}, prog_name="sparse-mla")
     assert res.exit_code == 0, res.output
     out = res.output
     assert usage in out, out
     assert "<bool>" not in out and "<str>" not in out and "<int>" not in out and "{" not in out, out
     assert all(len(line) <= 80 for line in out.splitlines()), max(out.splitlines(), key=len)
-    options = [line for line in out.splitlines() if line.startswith("│ --") and "--help" not in line]
+    flags = ("--help", "--version", "--wide", "--markdown")
+    options = [line for line in out.splitlines() if line.startswith("│ --") and not any(f in line for f in flags)]
     assert len(options) == out.count("[default:"), out
 
 
@@ -446,3 +454,239 @@ def test_pad64_baseline_runs_flash_mla_when_installed(monkeypatch):
     flash = baselines.mqa_per_token_pad64(inp, torch.empty(T, H, 256, dtype=DTYPE, device=DEVICE))
     assert calls == [((T, 64, 576), (64, 1, 576), (T, 1, 32))]
     assert_rows_close(flash, default, DTYPE, "pad64 through the flash_mla stand-in", LAYER_ROW_TOLERANCE)
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI: --version, the CLI without the bench extra, compact tables at 80 columns, `report` of every JSON kind.
+
+
+def test_version():
+    """--version: the package's version and the torch / Triton it runs on, exit 0."""
+    import triton
+
+    res = RUNNER.invoke(app, ["--version"], prog_name="sparse-mla")
+    assert res.exit_code == 0, res.output
+    assert res.output.strip() == f"sparse-mla {sparse_mla.__version__} (torch {torch.__version__}, triton {triton.__version__})"
+
+
+_BLOCKER = """
+import importlib.abc, sys
+BLOCKED = set(sys.argv[1].split(","))
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name.split(".")[0])
+sys.meta_path.insert(0, Block())
+sys.argv = ["sparse-mla", *sys.argv[2:]]
+import runpy
+runpy.run_module("sparse_mla", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("blocked, args", [
+    pytest.param("typer", ["--version"], id="no-typer"),
+    pytest.param("tqdm", ["bench", "--dims", "16,512,32,64,32", "--tokens", "12", "--topk", "16"], id="no-tqdm"),
+])
+def test_cli_without_the_bench_extra(blocked, args):
+    """`python -m sparse_mla` (and so `sparse-mla`) on a core install: exit 1 with a message naming the extra."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])  # this tree's sparse_mla
+    res = subprocess.run([sys.executable, "-c", _BLOCKER, blocked, *args], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "pip install 'sparse-mla[bench]'" in res.stderr and f"({blocked} is not installed)" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+
+
+def test_safetensors_trace_without_safetensors(monkeypatch, tmp_path):
+    """A .safetensors trace on a core install: an ImportError naming the extra (read and write)."""
+    from sparse_mla.workloads.traces import TopkTrace, load_trace, save_trace
+
+    path = tmp_path / "t.safetensors"
+    trace = TopkTrace(layer=None, topk=torch.zeros(2, 4, dtype=torch.int32), valid=torch.full((2,), 4, dtype=torch.int32))
+    save_trace(path, trace)
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    with pytest.raises(ImportError, match=r"pip install 'sparse-mla\[bench\]'"):
+        load_trace(path)
+    with pytest.raises(ImportError, match=r"pip install 'sparse-mla\[bench\]'"):
+        save_trace(tmp_path / "u.safetensors", trace)
+
+
+# Tables at 80 columns (compact by default, --wide, --markdown) and `report` of every JSON kind (bench.kinds)
+
+
+def _shardq_layer_rows() -> list[dict]:
+    """Rows as ``shardq_layer._bench_point`` writes them (the real ones need 2 ranks: tests/test_shardq_mla.py)."""
+    rows = []
+    for variant, chunks in (("tp", 1), ("shardq-absorbed", 1), ("shardq-absorbed", 4), ("shardq-reduced", 2)):
+        r = dict(model="deepseek-v3.2", tp=8, heads=128, tokens=65536, topk=2048, overlap="mid", variant=variant,
+                 chunks=chunks, form=variant.split("-")[1] if "-" in variant else "none", trials=3, warmup=2,
+                 interpreted=False, total_ms=102.125, attention_ms=73.75, exposed_exchange_ms=28.5, err_vs_tp=1.3e-05,
+                 err_vs_ref=1.9e-03, nan=False, check_ok=True, speedup_vs_tp=0.7129)
+        if variant != "tp":
+            r.update(model_ms=101.25, model_xchg_ms=27.5, model_err=-0.0125)
+        rows.append(r)
+    rows[-1]["check_ok"] = False
+    return rows
+
+
+@pytest.fixture(scope="module")
+def op_rows():
+    """Two real ``bench.op.run_case`` rows on tiny cases (the grouped-capable H16, and H128 without grouped)."""
+    from sparse_mla.bench import op
+
+    cases = [op.OpCase(16, "mid", 16, 8, topk=8), op.OpCase(128, "uniform", 16, 4, topk=8, sink=True, topk_length=True)]
+    return [op.run_case(c, device=str(DEVICE), dtype=DTYPE, trials=1, rep_ms=1) for c in cases]
+
+
+def _docs(op_rows) -> dict[str, dict]:
+    """One document of every kind, as its writer leaves it minus the kind stamp (the committed files have none)."""
+    shardq_layer = {"meta": {"gpu": "NVIDIA H200", "git_revision": "0" * 40, "world_size": 8}, "results": _shardq_layer_rows()}
+    op_doc = {"meta": {"gpu": "none", "git_revision": "abc1234", "date": "2026-12-01"}, "rows": op_rows}
+    return {"layer": json.loads(COMMITTED.read_text()), "layer-fp8": json.loads((RESULTS / "bench-fp8.json").read_text()),
+            "shardq": json.loads((RESULTS / "bench_shardq.json").read_text()),
+            "kv_fp8": json.loads((RESULTS / "kv-fp8-gluon-fewheads.json").read_text()),
+            "shardq_layer": shardq_layer, "op": op_doc}
+
+
+def _compact_cells(name: str, doc: dict) -> list[list[str]]:
+    """The cells of every compact table of a document (the figures the terminal must show whole)."""
+    from sparse_mla.bench import kv_fp8, op, report, shardq, shardq_layer
+    from sparse_mla.distributed.cost_model import model_vs_measured
+
+    if name.startswith("layer"):
+        return report.table_cells(doc["results"])[1]
+    if name == "shardq":
+        rows = doc["results"]
+        return (shardq.shardq_cells(rows)[1] + shardq.summary_cells(rows)[1]
+                + shardq.cost_model_cells(model_vs_measured(rows)[0])[1])
+    module = {"kv_fp8": kv_fp8, "shardq_layer": shardq_layer, "op": op}[name]
+    return module.row_cells(doc["rows" if name in ("kv_fp8", "op") else "results"])[1]
+
+
+def _assert_fits(out: str, cells: list[list[str]], width: int = 80) -> None:
+    """No line wider than ``width``, nothing cut (no ellipsis), every row's figures whole and in order on one line
+    (only the first column, a name, may fold)."""
+    lines = out.splitlines()
+    assert lines and max(len(line) for line in lines) <= width, max(lines, key=len)
+    assert "…" not in out, out
+    for row in cells:
+        pattern = r"\s+".join(re.escape(c) for c in row[1:])
+        assert any(re.search(rf"(^|\s){pattern}(\s|$)", line) for line in lines), (row, out)
+
+
+KIND_NAMES = ["layer", "layer-fp8", "shardq", "kv_fp8", "shardq_layer", "op"]
+
+
+@pytest.mark.parametrize("name", KIND_NAMES)
+def test_compact_tables_fit_80_columns(name, op_rows):
+    """`sparse-mla report JSON` at 80 columns, for a JSON of every kind: the provenance line and the compact
+    tables fit, no number is truncated (the 14-column layer table and the 456-column ShardQ one did not)."""
+    doc = _docs(op_rows)[name]
+    cells = _compact_cells(name, doc)
+    assert cells
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / f"{name}.json"
+        path.write_text(json.dumps(doc))
+        res = RUNNER.invoke(app, ["report", str(path)], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    _assert_fits(res.output, cells)
+
+
+def test_bench_module_tables_fit_80_columns(op_rows):
+    """The text tables the bench modules print themselves (their default width is 80)."""
+    from sparse_mla.bench import kv_fp8, op, shardq_layer
+
+    docs = _docs(op_rows)
+    for module, rows in ((kv_fp8, docs["kv_fp8"]["rows"]), (shardq_layer, docs["shardq_layer"]["results"]),
+                         (op, op_rows)):
+        _assert_fits(module.format_rows(rows), module.row_cells(rows)[1])
+        wide = module.format_rows(rows, wide=True)
+        head, cells = module.row_cells(rows, wide=True)
+        assert len(head) > len(module.row_cells(rows)[0]) and all(h in wide for h in head)
+        _assert_fits(wide, cells, width=10**4)  # the wide table is never cut either, only wider
+
+
+def test_bench_table_compact_and_wide(bench_json):
+    """`print_table` of the CLI's own bench rows: compact by default, every path with --wide."""
+    from sparse_mla.bench import report
+
+    rows = json.loads(bench_json.read_text())["results"]
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        report.print_table(rows, interpreted=True, width=80)
+    _assert_fits(out.getvalue(), report.table_cells(rows)[1])
+    head = next(line for line in out.getvalue().splitlines() if "scenario" in line)
+    assert head.split() == " ".join(report.table_cells(rows)[0]).split() and "pad64" not in head
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        report.print_table(rows, interpreted=True, width=80, wide=True)
+    head = next(line for line in out.getvalue().splitlines() if "scenario" in line)
+    assert all(report.SHORT[p] in head for p in PATH_COLUMNS)
+    _assert_fits(out.getvalue(), report.table_cells(rows, wide=True)[1], width=10**4)
+
+
+@pytest.mark.parametrize("stamped", [True, False], ids=["meta.kind", "shape"])
+@pytest.mark.parametrize("name", KIND_NAMES)
+def test_report_renders_every_kind(name, stamped, op_rows, tmp_path):
+    """`report` of every JSON kind, told by its meta.kind stamp or (the committed files) by its shape, in the
+    three forms: compact, --wide (more columns), --markdown (a markdown table; for the layer bench the README's)."""
+    from sparse_mla.bench import kinds
+
+    doc = _docs(op_rows)[name]
+    kind = name.split("-")[0]
+    if stamped:
+        doc["meta"]["kind"] = kind
+    assert kinds.detect(doc, "x")[0] == kind
+    path = tmp_path / "doc.json"
+    path.write_text(json.dumps(doc))
+    outs = {}
+    for form in ([], ["--wide"], ["--markdown"]):
+        res = RUNNER.invoke(app, ["report", *form, str(path)], env={"COLUMNS": "80"})
+        assert res.exit_code == 0, (form, res.output)
+        outs[tuple(form)] = res.output
+    assert len(max(outs[("--wide",)].splitlines(), key=len)) > len(max(outs[()].splitlines(), key=len)) or kind == "op"
+    md = outs[("--markdown",)]
+    assert md.startswith(f"<!-- `sparse-mla report --markdown {path}`: ") and "\n|---|" in md
+    if kind == "layer":
+        from sparse_mla.bench.report import markdown_table
+
+        assert markdown_table(doc["results"]) in md  # the README's table, unchanged
+
+
+def test_writers_stamp_kind(bench_json, tmp_path):
+    """Every writer stamps meta.kind: the layer bench, the ShardQ benches (through provenance), kv_fp8, op."""
+    from sparse_mla.bench import kinds, kv_fp8, op, report
+
+    assert json.loads(bench_json.read_text())["meta"]["kind"] == "layer"
+    assert report.provenance(True, 1)["kind"] == "layer"
+    for kind in ("shardq", "shardq_layer"):
+        assert report.provenance(True, 1, kind=kind)["kind"] == kind
+    assert op.provenance()["kind"] == "op"
+    out = tmp_path / "k.json"
+    kv_fp8.main(["--heads", "16", "--grouped-heads", "", "--tokens", "5", "--topk", "8", "--rows", "32",
+                 "--variants", "bf16", "--json", str(out)])
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["kind"] == "kv_fp8" and kinds.detect(doc, str(out))[0] == "kv_fp8"
+    assert set(kinds.KINDS) == set(kinds.SHAPES) == {"layer", "shardq", "shardq_layer", "kv_fp8", "op"}
+
+
+@pytest.mark.parametrize("doc, match", [
+    pytest.param([1, 2], "not a bench JSON", id="a-list"),
+    pytest.param({"meta": {"kind": "sweep"}, "rows": [{"case": "a"}]}, "unknown kind 'sweep'", id="unknown-kind"),
+    pytest.param({"meta": {"kind": "op"}, "rows": [{"case": "a"}]}, "meta.kind is 'op', but its rows[] rows", id="bad-rows"),
+    pytest.param({"meta": {}, "results": []}, "not a JSON that `sparse-mla report` renders", id="no-rows"),
+    pytest.param(json.loads((RESULTS / "gluon-v1.json").read_text()), "fit none of the known shapes", id="gluon-script"),
+    pytest.param({"meta": {"kind": "layer"}, "results": [{"scenario": "s", "heads": 16, "paths": {}, "chosen_path": None,
+                                                          "chosen_ms": None}]}, "cannot be rendered", id="truncated-rows"),
+])
+def test_report_unknown_json_is_a_clear_error(doc, match, tmp_path):
+    """A JSON that `report` cannot render: exit 2 (a usage error), the message says why and names the kinds it
+    renders where the kind is unknown; no traceback."""
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps(doc))
+    res = RUNNER.invoke(app, ["report", str(path)], env={"COLUMNS": "80"})
+    assert res.exit_code == 2, res.output
+    out = flat(res.output)
+    assert match in out and "Traceback" not in out, out
+    if "kind" not in match and "rendered" not in match:  # where the kind is unknown: the list of the known ones
+        assert "report renders: layer (sparse-mla bench), shardq (" in out, out

@@ -35,7 +35,7 @@ def test_bench_kv_dtype_fp8(tmp_path):
         assert rec["check_ok"] and rec["rel_err"] < row["check_tol"], (name, rec["rel_err"])
         assert rec["rel_err_vs_bf16_cache"] > 5 * rec["rel_err"], (name, rec)  # the cache's own quantization error
     assert row["max_rel_err_vs_bf16_cache"] == max(row["paths"][n]["rel_err_vs_bf16_cache"] for n in timed)
-    rep = runner.invoke(app, ["report", str(out)])
+    rep = runner.invoke(app, ["report", "--markdown", str(out)])
     assert rep.exit_code == 0 and "kv cache fp8_ds_mla" in rep.output and f"{DEQUANT_NAME} ms" in rep.output
 
 
