@@ -44,3 +44,25 @@ def test_use_section_runs_as_written(tmp_path):
                                                     res.stdout).groups())
     assert err8 < 1e-2 < err8_bf16 < 0.1, res.stdout  # the kernel's error, then the cache's quantization (~3e-2)
     assert "path: " in res.stdout and "mqa_per_token: yes" in res.stdout, res.stdout
+
+
+def test_readme_is_short():
+    """The README is for users (what it is, why, install, use, results, switches, layout): at most 250 lines."""
+    assert len(README.read_text().splitlines()) <= 250
+
+
+def test_docs_cite_committed_result_files():
+    """Every results/ path the README and docs/ cite exists (a glob must match a file); ``results/X@commit`` names
+    a file as committed in that commit (git history), ``git show commit:results/X`` an older file: not checked."""
+    root = README.parent
+    docs = [README, root / "results" / "README.md", *sorted((root / "docs").rglob("*.md")),
+            *sorted((root / "results").glob("*/README.md"))]
+    missing = []
+    for doc in docs:
+        for m in re.finditer(r"(?<![:\w/])results/[\w.*{},/-]*\w", doc.read_text()):
+            path = m.group(0)
+            if "{" in path or path.endswith("/README"):
+                continue
+            if not list(root.glob(path)) and not (root / path).is_dir():
+                missing.append(f"{doc.relative_to(root)}: {path}")
+    assert not missing, missing
