@@ -161,12 +161,33 @@ def require_disjoint(outputs: dict[str, torch.Tensor | None], inputs: dict[str, 
         ValueError: naming the two arguments.
     """
     outs = [(n, t) for n, t in outputs.items() if t is not None]
-    ins = [(n, t) for n, t in inputs.items() if t is not None]
+    if not outs:
+        return
+    spans = {}
+    for n, t in (*outs, *((n, t) for n, t in inputs.items() if t is not None)):
+        spans[n] = _span_or_none(t)
+    names = list(spans)
     for i, (a, ta) in enumerate(outs):
-        for b, tb in outs[i + 1:] + ins:
-            if shares_memory(ta, tb):
+        sa = spans[a]
+        if sa is None:
+            continue
+        for b in names[i + 1:]:
+            sb = spans[b]
+            if sb is not None and sa[0] == sb[0] and sa[1] < sb[2] and sb[1] < sa[2]:
+                tb = outputs.get(b, inputs.get(b))
                 raise ValueError(f"{a} shares memory with {b}: a buffer the kernel writes must not overlap its other "
                                  f"outputs or inputs ({a}: {describe(ta)}; {b}: {describe(tb)})")
+
+
+def _span_or_none(x: torch.Tensor) -> tuple[tuple, int, int] | None:
+    """((device, storage address), first byte, end byte) of ``x``, or None for an empty / storage-less tensor."""
+    if x.numel() == 0 or x.device.type == "meta":
+        return None
+    try:
+        p, s, e = _byte_span(x)
+    except (RuntimeError, NotImplementedError):  # FakeTensor / functional tensors carry no storage address
+        return None
+    return (str(x.device), p), s, e
 
 
 def require_kernel_tensor(name: str, x: torch.Tensor) -> None:

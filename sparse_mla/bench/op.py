@@ -338,11 +338,9 @@ def run_case(case: OpCase, *, calls: tuple[str, ...] = CALLS, trials: int = 1, h
 
 def explain_call(case: OpCase, inp: dict) -> str:
     """What the default call decided for this case (``sparse_mla.mqa.selection``) and why."""
-    try:
-        from ..mqa.selection import explain_method
-    except ImportError:
-        return ""
-    return explain_method(inp["q"], inp["indices"], cu_seqlens_q=inp["cu_seqlens_q"])
+    from ..mqa.selection import explain_method
+
+    return explain_method(case.heads, inp["T"], has_cu_seqlens=inp["cu_seqlens_q"] is not None)
 
 
 # ------------------------------------------------------------------------------------------- suites

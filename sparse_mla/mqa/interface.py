@@ -8,18 +8,21 @@ selection point per op (``sparse_mla.mqa.backends``) <- this function, which val
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 
 from ..checks import require_kernel_tensor
+from ..kv_format import FP8_DS_MLA
+from ..kv_staging import KV_DEQUANT_MODES, choose_kv_dequant, dequantize_rows
 from ..union import backends as union_backends
 from ..union import probe as union_probe
 from ..union.grouping import overlap_guard_ratio
 from ..union.planning import plan_groups
-from ..union.workspace import SparseMLAWorkspace
+from ..union.workspace import SparseMLAWorkspace, cached_workspace
 from . import backends as mqa_backends
-from .checks import check_sink_and_max_logits, validate_fwd_buffers, validate_sparse_mla_args
+from .checks import SparseMLAProblem, check_sink_and_max_logits, validate_fwd_buffers, validate_sparse_mla_args
 from .selection import resolve_method
 from .triton_tl import D_V
 
@@ -46,6 +49,7 @@ def sparse_mla_fwd(
     attn_sink: torch.Tensor | None = None,
     max_logits: torch.Tensor | None = None,
     kv_format: str | None = None,
+    kv_dequant: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA prefill (MQA / absorbed form): each query attends to its own top-k kv rows.
 
@@ -68,21 +72,21 @@ def sparse_mla_fwd(
         topk_length: optional [T] int32; only the first topk_length[t] entries of row t count.
         return_lse: also return lse [T, H] fp32 (natural log; -inf for a query with no valid row).
         method: "per_token" (one query's heads per tile), "grouped" (G = 128 // H consecutive
-            queries share a tile over the union of their rows), or "auto": what
-            ``selection.resolve_method`` picks. With the shipped table (``selection.AUTO_GROUPS =
-            False``: the grouped step, union build included, measured slower than per token on the
-            H200) "auto" always runs per token and only method="grouped" groups; with the switch
-            on it would group when G >= 2 and T >= G. The measured choice between per-token and
-            grouped MQA (and masked / dense MHA) lives in the layer's dispatcher,
-            ``sparse_mla.layer.dispatch`` (its ``THRESHOLDS``), which calls this function with an
-            explicit method.
+            queries share a tile over the union of their rows), or "auto" (default): grouped where
+            ``sparse_mla.mqa.selection.GROUPING_RULES`` says it pays (G >= 2 and enough query rows; measured
+            on the H200), per token elsewhere; a grouped call still runs a step whose lists barely overlap
+            per token (the overlap probe, on the device) and each group whose union is too large (the
+            overlap guard). ``sparse_mla.mqa.selection.explain_method`` and the debug log say what ran and why.
         cu_seqlens_q: optional [B + 1] int32 request boundaries of the T rows. Given: groups stay
             inside requests and a request's last n % G rows run per token. Absent: groups run
             token-major over all rows (ShardQ layout), the tail group is short.
         check: checked mode: raise on a valid index >= N, a repeated row in one list, a bad
             topk_length or cu_seqlens_q, a non-finite selected kv row, a NaN attn_sink (syncs the device).
         workspace: scratch for the grouped path (``SparseMLAWorkspace``); a call then allocates
-            no union buffers. Allocated per call when None.
+            no union buffers. None: the package keeps one per (device, topk, G), grown to the largest
+            step seen (``sparse_mla.union.workspace.cached_workspace``; ``clear_workspace_cache`` frees it);
+            pass one for CUDA-graph capture of a step larger than any before, or for calls on several
+            streams at once.
         out / lse: optional preallocated outputs, [T, H, d_v] q.dtype and [T, H] fp32.
         group_size: queries per group (default ``default_group_size(H)``, 1..16).
         overlap_guard: union rows / mean list length above which a group runs per token;
@@ -96,16 +100,22 @@ def sparse_mla_fwd(
             with no valid row. Not returned; read the tensor you passed.
         kv_format: None (default: kv holds latent rows in q's dtype) or "fp8_ds_mla" (FlashMLA's /
             vLLM's FP8 cache: per row 512 float8_e4m3 kv_c values, 4 float32 scales, 64 bf16 k_pe;
-            ``sparse_mla.kv_format``). Explicit, never inferred from kv's dtype. Each gathered row is dequantized
-            in the kernel: on Hopper with bf16 q by the Gluon kernel's producer warps, elsewhere (fp16 q, other
-            GPUs, the interpreter) by the portable Triton kernel (``sparse_mla.mqa.backends``).
+            ``sparse_mla.kv_format``). Explicit, never inferred from kv's dtype. Two exact routes
+            (``kv_dequant``): the cache's rows dequantized to q's dtype first, then the bf16 / fp16 kernels
+            ("staged"), or each gathered row dequantized in the kernel's gather ("in_kernel": on Hopper with bf16
+            q by the Gluon kernel's producer warps, elsewhere by the portable Triton kernel).
+        kv_dequant: the route of an FP8 cache: "auto" (default: ``sparse_mla.kv_staging.choose_kv_dequant``, the
+            measured rule: staging when the cache's rows cost less to dequantize once than the rows the kernel
+            gathers cost in its gather, within ``kv_staging.DEFAULT_MAX_STAGED_BYTES``), "staged" (always; the
+            staged rows [N, 576] of q's dtype come from ``workspace``'s staging buffer when it holds them, else
+            are allocated), or "in_kernel" (never: no staging memory). Ignored without kv_format.
 
     Conventions (this API): a query with no valid row gets out 0, lse -inf, max_logits -inf.
     ``sparse_mla.flash_mla_sparse_fwd`` is the FlashMLA-compatible call (its shapes, lse +inf there).
 
     Non-finite kv rows: a NaN / inf in a row query t does not select never changes out[t] / lse[t]
-    with method="per_token"; method="grouped" can make the out of every query in the selecting
-    query's group non-finite (docs/DESIGN.md "Non-finite kv rows"). check=True raises on a
+    with method="per_token"; a grouped call (method="grouped", or "auto" where it groups) can make the out
+    of every query in the selecting query's group non-finite (docs/DESIGN.md "Non-finite kv rows"). check=True raises on a
     non-finite value in any selected row (for an FP8 cache: in the row dequantized to q's dtype, as
     the kernel computes it: a NaN or inf scale, or a product past the dtype's range, e.g. 65536 in fp16).
 
@@ -121,7 +131,7 @@ def sparse_mla_fwd(
             cu_seqlens_q int32; out / lse of the wrong dtype); bf16 q / kv under TRITON_INTERPRET=1 (the interpreter's bf16
             tl.dot is wrong: use fp16 on the CPU).
         ValueError: shape / device / layout mismatches, D_qk not in {512, 576}, d_v != 512, an
-            unknown method, a workspace that does not fit, CPU tensors without TRITON_INTERPRET=1,
+            unknown method or kv_dequant, a workspace that does not fit, CPU tensors without TRITON_INTERPRET=1,
             and (check=True) bad index contents, a non-finite selected kv row or a NaN attn_sink;
             attn_sink / max_logits of the wrong shape or dtype (TypeError for the dtype); an unknown
             kv_format; with kv_format="fp8_ds_mla" a kv whose rows are not 656 bytes or not 16-byte
@@ -132,19 +142,24 @@ def sparse_mla_fwd(
         q, kv, indices, sm_scale, d_v=d_v, topk_length=topk_length, cu_seqlens_q=cu_seqlens_q, check=check,
         kv_format=kv_format,
     )
+    if kv_dequant not in KV_DEQUANT_MODES:
+        raise ValueError(f"kv_dequant must be one of {KV_DEQUANT_MODES}, got {kv_dequant!r}")
     T, H, D = p.q.shape
-    chosen, reason = resolve_method(method, H, T)
+    chosen, reason = resolve_method(method, H, T, group_size)
     attn_sink = check_sink_and_max_logits(attn_sink, max_logits, T, H, q.device, check=check)
     # out / lse / workspace / flags, every one before any launch (checks.validate_fwd_buffers)
     G = validate_fwd_buffers(p, return_lse=return_lse, grouped=chosen == "grouped", group_size=group_size,
                              overlap_guard=overlap_guard, out=out, lse=lse, workspace=workspace,
                              extra_outputs={"max_logits": max_logits}, extra_inputs={"attn_sink": attn_sink})
+    require_kernel_tensor("q", p.q)  # kv and out share its device and dtype
     if out is None:
         out = torch.empty(T, H, d_v, dtype=q.dtype, device=q.device)
     if lse is None and return_lse:
         lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
-    require_kernel_tensor("q", p.q)  # kv and out share its device and dtype
-    logger.debug("sparse_mla_fwd: T=%d H=%d K=%d kv_format=%s -> %s (%s)", T, H, p.topk, p.kv_format, chosen, reason)
+    if p.kv_format is not None:
+        p, reason = _fp8_route(p, kv_dequant, chosen == "grouped", G, workspace, reason)
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("sparse_mla_fwd: T=%d H=%d K=%d kv_format=%s -> %s (%s)", T, H, p.topk, kv_format, chosen, reason)
     if T == 0:
         return (out, lse) if return_lse else out
 
@@ -152,25 +167,43 @@ def sparse_mla_fwd(
     if chosen == "per_token":
         mqa_backends.per_token(p.q, p.kv, p.indices, p.sm_scale, p.topk_length, out, lse, **extras)
     else:
-        ws = workspace or SparseMLAWorkspace(T, p.topk, G, p.num_kv_rows, q.device)
-        ok, why = ws.fits(T, p.topk, G, p.num_kv_rows)
-        if not ok:
-            raise ValueError(f"workspace does not fit this call: {why}")
+        ws = workspace or cached_workspace(T, p.topk, G, p.num_kv_rows, q.device)
         guard = overlap_guard_ratio(G) if overlap_guard == -1.0 else overlap_guard
         _grouped_forward(p, G, ws, out, lse, guard, extras)
     return (out, lse) if return_lse else out
 
 
+# The union rows of a grouped FP8 call, as a multiple of the rows its queries' lists hold over G (the rule's
+# estimate of what the grouped kernel gathers; the "mid" lists' union ratio at G = 8, results/op-recon-*.json).
+GROUPED_UNION_RATIO_ESTIMATE = 1.4
+
+
+def _fp8_route(p: SparseMLAProblem, mode: str, grouped: bool, G: int, workspace, reason: str):
+    """The problem on the staged rows (kv_format None) or unchanged (in-kernel dequantization), and the reason."""
+    T, K, N = p.num_tokens, p.topk, p.num_kv_rows
+    gathered = T * K if not grouped else int(T * K / G * GROUPED_UNION_RATIO_ESTIMATE)
+    row_bytes = FP8_DS_MLA.d_qk * p.q.element_size()
+    route, why = choose_kv_dequant(mode, N, gathered, row_bytes)
+    if route == "in_kernel":
+        return p, f"{reason}; FP8 dequantized in the gather: {why}"
+    buf = workspace.staging_buffer(N, p.q.dtype) if workspace is not None else None
+    rows = dequantize_rows(p.kv, p.q.dtype, out=buf)
+    return dataclasses.replace(p, kv=rows, kv_format=None), f"{reason}; FP8 cache staged to {p.q.dtype}: {why}"
+
+
 def _grouped_forward(p, G: int, ws: SparseMLAWorkspace, out: torch.Tensor, lse: torch.Tensor | None,
                      guard: float | None, extras: dict) -> None:
-    """Plan groups, probe their overlap (``sparse_mla.union.probe``: a step whose probed groups would all
-    fall back skips the build), build unions, run the grouped kernel, then the per-token kernel on the rest."""
+    """Plan groups (and the probe's sample of them, in the same launch), probe their overlap
+    (``sparse_mla.union.probe``: a step whose probed groups would mostly fall back skips the build), build unions,
+    run the grouped kernel, then the per-token kernel on the rest."""
     T = p.num_tokens
-    n_groups = ws.max_groups if p.cu_seqlens_q is not None else -(-T // G)
+    n_groups = min(ws.max_groups, -(-T // G))
     gs, gl, ul = ws.group_start[:n_groups], ws.group_len[:n_groups], ws.union_len[:n_groups]
     route = ws.route[:T]
-    plan_groups(T, G, p.cu_seqlens_q, gs, gl, route)
-    union_probe.probe_and_skip(p.indices, p.topk_length, p.num_kv_rows, G, gs, gl, route, ws, guard)
+    planned = union_probe.probe_buffers(n_groups, ws, guard)
+    plan_groups(T, G, p.cu_seqlens_q, gs, gl, route, planned, union_probe.PROBE_STRIDE)
+    if planned is not None:
+        union_probe.probe_and_skip(p.indices, p.topk_length, p.num_kv_rows, G, gs, gl, route, ws, guard, planned)
     union_backends.build_union(p.indices, p.topk_length, p.num_kv_rows, G, gs, gl, route, ws, ws.union_rows,
                                ws.union_bits, ul, guard_ratio=guard)
     mqa_backends.grouped(p.q, p.kv, p.sm_scale, G, ws.union_rows, ws.union_bits, ul, gs, gl, out, lse, **extras)

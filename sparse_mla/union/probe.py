@@ -24,6 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..launch_cache import LaunchCache
 from . import backends as union_backends
 
 PROBE_STRIDE = 16  # probe groups 0, 16, 32, ...
@@ -65,8 +66,18 @@ def _probe_decide_apply_kernel(len_before_ptr, len_after_ptr, n_probe, group_len
             tl.store(route_ptr + t0 + offs, tl.full([BLOCK], 1, tl.int8), mask=t0 + offs < n_tokens)
 
 
+def probe_buffers(n_groups: int, ws, guard_ratio: float | None):
+    """The probe's planning buffers for ``n_groups`` planned groups: (start, len_before, len) views of ``ws``
+    that ``plan_groups`` fills (``probe=``, ``probe_stride=PROBE_STRIDE``), or None when no probe runs (no guard,
+    fewer than ``PROBE_MIN_GROUPS`` groups, or a workspace too small)."""
+    k = probe_groups(n_groups)
+    if guard_ratio is None or k == 0 or k > ws.probe_group_start.shape[0]:
+        return None
+    return ws.probe_group_start[:k], ws.probe_len_before[:k], ws.probe_group_len[:k]
+
+
 def probe_and_skip(indices, topk_length, num_kv_rows: int, group_size: int, group_start, group_len, route, ws,
-                   guard_ratio: float | None) -> bool:
+                   guard_ratio: float | None, planned=None) -> bool:
     """Run the probe on the planned groups (``plan_groups`` outputs; device tensors of ``ws``); returns
     whether it ran (the decision itself stays on the device, in ``ws.probe_skip[0]``).
 
@@ -75,22 +86,31 @@ def probe_and_skip(indices, topk_length, num_kv_rows: int, group_size: int, grou
         group_start, group_len: [n_groups] int32 planned groups (views of ``ws``); route: [T] int8.
         ws: the ``SparseMLAWorkspace`` (its probe_* buffers are the scratch).
         guard_ratio: the overlap guard of the step; None (no guard) runs no probe.
+        planned: the ``probe_buffers`` that ``plan_groups`` filled in the same launch; None: copied here from
+            the planned groups (two small copies).
     """
     n_groups = group_start.shape[0]
-    k = probe_groups(n_groups)
-    if guard_ratio is None or k == 0 or k > ws.probe_group_start.shape[0]:
+    bufs = planned if planned is not None else probe_buffers(n_groups, ws, guard_ratio)
+    if bufs is None or guard_ratio is None:
         return False
+    p_start, p_before, p_len = bufs
+    k = p_start.shape[0]
+    if planned is None:
+        p_start.copy_(group_start[::PROBE_STRIDE])
+        p_before.copy_(group_len[::PROBE_STRIDE])
+        p_len.copy_(p_before)
     T = route.shape[0]
-    p_start, p_before, p_len = ws.probe_group_start[:k], ws.probe_len_before[:k], ws.probe_group_len[:k]
-    p_start.copy_(group_start[::PROBE_STRIDE])
-    p_before.copy_(group_len[::PROBE_STRIDE])
-    p_len.copy_(p_before)
     p_route = ws.probe_route[:T]
     union_backends.build_union(indices, topk_length, num_kv_rows, group_size, p_start, p_len, p_route, ws,
                                ws.union_rows, ws.union_bits, ws.probe_union_len[:k], guard_ratio=guard_ratio)
-    _probe_decide_apply_kernel[(1, )](p_before, p_len, k, group_len, n_groups, route, T, ws.probe_skip,
-                                      PROBE_SKIP_FRACTION, probe_min_live(), BLOCK=1024)
+    _DECIDE((), (1, ), (p_before, p_len, k, group_len, n_groups, route, T, ws.probe_skip, PROBE_SKIP_FRACTION,
+                        probe_min_live()), dict(BLOCK=1024))
     return True
 
 
-__all__ = ["PROBE_MIN_GROUPS", "PROBE_SKIP_FRACTION", "PROBE_STRIDE", "probe_and_skip", "probe_groups", "probe_min_live"]
+# Its pointers are workspace views; their alignment joins the launch-cache key.
+_DECIDE = LaunchCache(namespace=globals(), name="_probe_decide_apply_kernel", align=(0, 1, 3, 5, 7))
+
+
+__all__ = ["PROBE_MIN_GROUPS", "PROBE_SKIP_FRACTION", "PROBE_STRIDE", "probe_and_skip", "probe_buffers", "probe_groups",
+           "probe_min_live"]

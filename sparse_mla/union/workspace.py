@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from ..kv_format import FP8_DS_MLA
 from . import probe as union_probe
 from .grouping import MAX_GROUP_SIZE, default_group_size
 from .triton_tl import hash_table_slots
@@ -61,10 +62,7 @@ class SparseMLAWorkspace:
         self.route = torch.zeros(self.max_tokens, dtype=torch.int8, device=dev)
         self.union_rows = torch.empty(self.max_groups, G * K, dtype=torch.int32, device=dev)
         self.union_bits = torch.empty(self.max_groups, G * K, dtype=torch.int32, device=dev)
-        n_tables = min(self.max_groups, _union_programs(dev))
-        slots = hash_table_slots(G, K)
-        self.union_tables = torch.full((n_tables, slots), -1, dtype=torch.int32, device=dev)
-        self.union_table_bits = torch.zeros((n_tables, slots), dtype=torch.int32, device=dev)
+        self._tables: tuple[torch.Tensor, torch.Tensor] | None = None  # the Triton builder's, on first use
         # the overlap probe's scratch (sparse_mla.union.probe): every PROBE_STRIDE-th group, a route copy, the decision
         n_probe = triton.cdiv(self.max_groups, union_probe.PROBE_STRIDE)
         self.probe_group_start = torch.zeros(n_probe, dtype=torch.int32, device=dev)
@@ -73,6 +71,36 @@ class SparseMLAWorkspace:
         self.probe_union_len = torch.zeros(n_probe, dtype=torch.int32, device=dev)
         self.probe_route = torch.zeros(self.max_tokens, dtype=torch.int8, device=dev)
         self.probe_skip = torch.zeros(1, dtype=torch.int32, device=dev)
+
+    def _hash_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._tables is None:
+            dev = torch.device(self.device)
+            n_tables = min(self.max_groups, _union_programs(dev))
+            slots = hash_table_slots(self.group_size, self.topk)
+            self._tables = (torch.full((n_tables, slots), -1, dtype=torch.int32, device=dev),
+                            torch.zeros((n_tables, slots), dtype=torch.int32, device=dev))
+        return self._tables
+
+    def staging_buffer(self, num_rows: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """[num_rows, 576] ``dtype`` rows for an FP8 cache's staged route (``sparse_mla.kv_staging``), from a buffer of
+        ``max_kv_rows`` rows allocated on first use; None when the cache has more rows (the call allocates them)."""
+        if num_rows > self.max_kv_rows:
+            return None
+        buf = getattr(self, "_staging", None)
+        if buf is None or buf.dtype != dtype:
+            buf = self._staging = torch.empty(self.max_kv_rows, FP8_DS_MLA.d_qk, dtype=dtype, device=torch.device(self.device))
+        return buf[:num_rows]
+
+    @property
+    def union_tables(self) -> torch.Tensor:
+        """The Triton union builder's hash-table keys [P, slots] int32 (-1 = empty), allocated on first use (the
+        CUDA builder keeps its tables in shared memory)."""
+        return self._hash_tables()[0]
+
+    @property
+    def union_table_bits(self) -> torch.Tensor:
+        """The Triton union builder's hash-table membership words [P, slots] int32 (0), allocated with the keys."""
+        return self._hash_tables()[1]
 
     @classmethod
     def for_problem(cls, num_tokens: int, topk: int, num_heads: int, num_kv_rows: int,
@@ -92,8 +120,38 @@ class SparseMLAWorkspace:
         return True, ""
 
     def nbytes(self) -> int:
-        """Device bytes held."""
+        """Device bytes held (the Triton builder's hash tables once it has run)."""
         return sum(t.numel() * t.element_size() for t in (
             self.group_start, self.group_len, self.union_len, self.route, self.union_rows, self.union_bits,
-            self.union_tables, self.union_table_bits, self.probe_group_start, self.probe_len_before,
+            *(self._tables or ()), *((self._staging, ) if getattr(self, "_staging", None) is not None else ()),
+            self.probe_group_start, self.probe_len_before,
             self.probe_group_len, self.probe_union_len, self.probe_route, self.probe_skip))
+
+
+# The default call's workspaces (``sparse_mla_fwd`` without ``workspace=``): one per (device, topk, G), grown to the
+# largest step seen, rounded up to CACHE_TOKEN_STEP rows so that a sweep of step sizes reallocates rarely.
+CACHE_TOKEN_STEP = 4096
+_CACHE: dict[tuple, SparseMLAWorkspace] = {}
+
+
+def cached_workspace(num_tokens: int, topk: int, group_size: int, num_kv_rows: int,
+                     device: torch.device) -> SparseMLAWorkspace:
+    """A workspace for a grouped call that brought none: the cached one of (device, topk, G) when it holds
+    ``num_tokens`` rows, else a new one (cached, replacing the smaller). During CUDA-graph capture a new one is
+    not cached (its memory belongs to the graph's pool); capture after a call of the largest step, or pass a
+    workspace. Calls on several streams at once must pass their own workspaces."""
+    key = (str(device), topk, group_size)
+    ws = _CACHE.get(key)
+    if ws is not None and ws.max_tokens >= num_tokens:
+        return ws
+    rows = -(-num_tokens // CACHE_TOKEN_STEP) * CACHE_TOKEN_STEP
+    ws = SparseMLAWorkspace(rows, topk, group_size, num_kv_rows, torch.device(device))
+    capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not capturing:
+        _CACHE[key] = ws
+    return ws
+
+
+def clear_workspace_cache() -> None:
+    """Release the default call's cached workspaces (their memory returns to torch's caching allocator)."""
+    _CACHE.clear()

@@ -675,7 +675,8 @@ def test_writers_stamp_kind(bench_json, tmp_path):
     pytest.param({"meta": {"kind": "sweep"}, "rows": [{"case": "a"}]}, "unknown kind 'sweep'", id="unknown-kind"),
     pytest.param({"meta": {"kind": "op"}, "rows": [{"case": "a"}]}, "meta.kind is 'op', but its rows[] rows", id="bad-rows"),
     pytest.param({"meta": {}, "results": []}, "not a JSON that `sparse-mla report` renders", id="no-rows"),
-    pytest.param(json.loads((RESULTS / "history" / "gluon-v1.json").read_text()), "fit none of the known shapes", id="gluon-script"),
+    pytest.param(json.loads((RESULTS / "history" / "gluon-v1.json").read_text()), "fit none of the known shapes",
+                 id="gluon-script"),
     pytest.param({"meta": {"kind": "layer"}, "results": [{"scenario": "s", "heads": 16, "paths": {}, "chosen_path": None,
                                                           "chosen_ms": None}]}, "cannot be rendered", id="truncated-rows"),
 ])

@@ -57,10 +57,12 @@ def test_kernel_def_starts_with_the_table(file, name):
 
 
 def test_launcher_passes_every_runtime_argument():
-    """The one launch call passes len(ARG_NAMES) positional arguments (then the variant's constexprs by name)."""
+    """The one launch call (through the launch cache) passes len(ARG_NAMES) run-time arguments as its argument tuple
+    (then the variant's constexprs by name)."""
     sig = _table()
     tree = ast.parse((GLUON / "launcher.py").read_text())
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Subscript)
-             and ast.unparse(n.func.value) == "_kernel_for(schedule)"]
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Call)
+             and ast.unparse(n.func) == "_launcher_for(schedule)"]
     assert len(calls) == 1
-    assert len(calls[0].args) == len(sig.ARG_NAMES)
+    key, grid, args, constexprs, options = calls[0].args
+    assert isinstance(args, ast.Tuple) and len(args.elts) == len(sig.ARG_NAMES)

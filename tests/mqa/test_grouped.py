@@ -246,13 +246,15 @@ def test_hash_collisions_end_to_end(K, overlap, union_backend):
 
 @pytest.mark.parametrize("H, T, expected", [
     pytest.param(16, 12, "grouped", id="H16-T12-grouped"),
-    pytest.param(16, 5, "per_token", id="H16-T5-fewer-than-G"),
+    pytest.param(16, 5, "per_token", id="H16-T5-below-min-tokens"),
     pytest.param(128, 3, "per_token", id="H128-G1"),
 ])
-def test_auto_method_when_grouping_is_enabled(H, T, expected, caplog, monkeypatch):
-    """With the selection table's grouping switch on, "auto" groups when a tile holds >= 2 queries and
-    T >= G, says so in its one log line, and is exact either way."""
-    monkeypatch.setattr(selection, "AUTO_GROUPS", True, raising=False)
+def test_auto_method_follows_the_rule_table(H, T, expected, caplog, monkeypatch):
+    """With a rule table that groups from 8 rows at 16 heads, "auto" groups T = 12 (token-major, no cu_seqlens_q,
+    on the package's cached workspace), runs T = 5 and 128 heads (G = 1) per token, says so in its one log line,
+    and is exact either way."""
+    rules = (selection.GroupingRule(16, 8), selection.GroupingRule(128, selection.NEVER))
+    monkeypatch.setattr(selection, "GROUPING_RULES", rules)
     _check_auto(H, T, expected, caplog)
 
 
@@ -293,11 +295,10 @@ def test_workspace_reuse_across_calls(union_backend):
         cu = cu_seqlens(lengths) if lengths is not None else None
         run_checked(p, method="grouped", workspace=ws, cu_seqlens_q=cu, overlap_guard=None, pad_tokens=G)
         n_groups = len(_expected_plan(Case(H, K, lengths, T=T), G))
-        assert int((ws.group_len[: ws.max_groups] > 0).sum()) == n_groups
-        # the builder's persistent hash tables (union_tables: -1 = empty; union_table_*: 0) are left clean
-        assert (ws.union_tables == -1).all()
-        others = [n for n in vars(ws) if n.startswith("union_table_")]
-        assert others and all((getattr(ws, n) == 0).all() for n in others), others
+        planned = -(-T // G)  # the call plans ceil(T / G) group slots of the workspace
+        assert int((ws.group_len[:planned] > 0).sum()) == n_groups
+        # the builder's persistent hash tables (union_tables: -1 = empty; union_table_bits: 0) are left clean
+        assert (ws.union_tables == -1).all() and (ws.union_table_bits == 0).all()
 
 
 def test_grouped_zero_tokens():

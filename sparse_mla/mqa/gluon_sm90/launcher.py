@@ -1,10 +1,17 @@
-"""Launch of the Gluon kernels on validated CUDA tensors."""
+"""Launch of the Gluon kernels on validated CUDA tensors.
+
+Each launch goes through a ``LaunchCache`` (``sparse_mla.launch_cache``) keyed by the schedule, the dtypes and the
+variant's constexprs: the backend selection admits only 16-byte aligned q / kv / out with 16-divisible strides
+(``sparse_mla.mqa.backends.gluon_sm90_applies``), the only arguments the kernels specialize on, and every other
+argument is a run-time value (``signature.KERNEL_ARGS``), so that key names the compiled variant.
+"""
 
 from __future__ import annotations
 
 import triton
 
 from ...kv_format import FP8_DS_MLA
+from ...launch_cache import LaunchCache
 from . import config
 from .config import BLOCK_H, D_V, LOG2E, SCHEDULES
 from .gluon_api import GLUON_IMPORT_ERROR
@@ -22,6 +29,17 @@ def _kernel_for(schedule: str):
     if schedule not in SCHEDULES:
         raise ValueError(f"SPARSE_MLA_GLUON_SCHEDULE must be one of {SCHEDULES}, got {schedule!r}")
     return sparse_mqa_sm90_kernel if schedule == "split" else sparse_mqa_sm90_pair_kernel
+
+
+_LAUNCHERS: dict = {}
+
+
+def _launcher_for(schedule: str) -> LaunchCache:
+    kernel = _kernel_for(schedule)
+    lc = _LAUNCHERS.get(schedule)
+    if lc is None or lc.fn is not kernel:  # tests swap the kernel objects
+        lc = _LAUNCHERS[schedule] = LaunchCache(kernel)
+    return lc
 
 
 
@@ -82,7 +100,10 @@ def launch(q, kv, rows, bits, nrows, group_start, group_len, route, out, lse, sm
     f32, i8 = _placeholders(q.device)  # typed placeholders keep the argument types, hence the compiled variant, fixed
     grid = min(num_work, _num_sms(q.device)) if config.PERSISTENT else num_work
     schedule = config.schedule_for(kv_fp8)
-    _kernel_for(schedule)[(grid, )](
+    cx = config.variant_constexprs(grouped, D > D_V, schedule, kv_fp8)
+    options = {"num_warps": cx.pop("num_warps")}
+    key = (schedule, q.dtype, kv.dtype, options["num_warps"], *cx.values())
+    _launcher_for(schedule)(key, (grid, ), (
         q, kv, rows, bits if bits is not None else dummy, nrows if nrows is not None else dummy,
         group_start if group_start is not None else dummy, group_len if group_len is not None else dummy,
         route if route is not None else i8, out, lse if lse is not None else f32,
@@ -92,5 +113,4 @@ def launch(q, kv, rows, bits, nrows, group_start, group_len, route, out, lse, sm
         int(nrows is not None), int(route is not None), int(lse is not None),
         attn_sink if attn_sink is not None else f32, max_logits if max_logits is not None else f32,
         max_logits.stride(0) if max_logits is not None else 0, int(attn_sink is not None), int(max_logits is not None),
-        num_work, **config.variant_constexprs(grouped, D > D_V, schedule, kv_fp8),
-    )
+        num_work), cx, options)
