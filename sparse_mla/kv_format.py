@@ -47,6 +47,9 @@ from dataclasses import dataclass
 import torch
 
 FP8_DS_MLA_NAME = "fp8_ds_mla"
+# How the attention reads an FP8 cache (``kv_dequant=`` of sparse_mla_fwd and dsa_prefill; sparse_mla.kv_staging):
+# the measured rule, dequantizing each gathered row in the kernel, or staging the readable rows to q's dtype first.
+KV_DEQUANT_MODES = ("auto", "in_kernel", "staged")
 SCALE_FORMATS = ("ue8m0", "fp32")
 E4M3_MAX = 448.0
 UE8M0_MIN_SCALE_INV = 1e-4  # FlashMLA's tests/quant.py clamp of amax / 448 before rounding up to a power of two
@@ -282,8 +285,8 @@ def looks_like_fp8_ds_mla(kv: torch.Tensor) -> bool:
     return kv.dtype in FP8_DS_MLA.storage_dtypes and kv.dim() >= 1 and kv.shape[-1] == FP8_DS_MLA.row_bytes
 
 
-__all__ = ["FP8DSMLAFormat", "FP8_DS_MLA", "FP8_DS_MLA_NAME", "KV_FORMATS", "SCALE_FORMATS", "E4M3_MAX", "check_kv_format",
-           "looks_like_fp8_ds_mla"]
+__all__ = ["FP8DSMLAFormat", "FP8_DS_MLA", "FP8_DS_MLA_NAME", "KV_DEQUANT_MODES", "KV_FORMATS", "SCALE_FORMATS",
+           "E4M3_MAX", "check_kv_format", "looks_like_fp8_ds_mla", "kv_rows_of_format"]
 
 
 def kv_rows_of_format(kv: object, kv_format: str, d_qk: int, d_qk_name: str, name: str = "kv") -> torch.Tensor:

@@ -19,9 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .kv_format import FP8_DS_MLA
+from .kv_format import FP8_DS_MLA, KV_DEQUANT_MODES
 
-KV_DEQUANT_MODES = ("auto", "in_kernel", "staged")
 # H200, bf16 q, D_qk 576 (results/op-recon-*.json, probe of 2026-12-01): dequantizing in the gather adds about
 # 0.16 ns per gathered row on the per-token path (6.45 vs 3.87 ms for 8192 x 2048 rows at 16 heads) and 0.38 ns
 # per union row on the grouped one (2.84 vs 1.72 ms over 2.9 M union rows); staging costs STAGE_NS_PER_ROW per row.

@@ -21,15 +21,12 @@ point picks (the Gluon one on Hopper), against the FP8 paths that dequantize in 
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from ..kv_format import KV_FORMATS
 from ..layer.checks import validate_dsa_prefill_args
 from ..layer.dispatch import PATH_NAMES
-from ..layer.paths import SparseMQA, absorbed_mqa, window_rows
-from ..layer.problem import DSAPrefillProblem, PrefillStep, token_windows
+from ..layer.paths import SparseMQA, absorbed_mqa
+from ..layer.problem import DSAPrefillProblem, PrefillStep
 
 PAD64_NAME = "mqa_per_token_pad64"
 DEQUANT_NAME = "mqa_per_token_dequant"  # FP8 cache runs only: dequantize the windows to bf16, then the bf16 kernel
@@ -103,38 +100,16 @@ def mqa_per_token_pad64(inputs: dict, out: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_windows(p: DSAPrefillProblem) -> DSAPrefillProblem:
-    """The same step on a workspace of plain rows in q's dtype: every request window's rows of the FP8 cache
-    dequantized (``FP8DSMLAFormat.dequantize``), packed request by request as ``layer.paths.window_rows`` lists them,
-    with each valid index moved to its row in the workspace (entries outside the token's window become -1,
-    which the layer semantics ignore anyway). What an engine does before a bf16-only kernel.
-
-    Args:
-        p: a validated problem with an FP8 ``kv_format``.
-
-    Returns:
-        a problem with kv_format None, kv rows [sum of windows, r + qk_rope] in q's dtype (a new buffer),
-        row_offsets = where each window starts in it, and remapped int32 indices.
+    """The same step on a workspace of plain rows in q's dtype (``sparse_mla.layer.staging.stage_windows``): every
+    request window's rows of the FP8 cache dequantized and each valid index moved onto them; what an engine does
+    before a bf16-only kernel.
 
     Raises:
         ValueError: p has no kv_format (nothing to dequantize).
     """
-    if p.kv_format is None:
-        raise ValueError("dequantize_windows needs an FP8 cache (kv_format), got plain rows")
-    rows, starts = window_rows(p)
-    fmt = KV_FORMATS[p.kv_format]
-    if isinstance(rows, slice):
-        kv = fmt.dequantize(p.kv_rows[rows], p.q_nope.dtype)
-    else:
-        kv = fmt.dequantize(p.kv_rows, p.q_nope.dtype, rows=rows)
-    dev = p.q_nope.device
-    lo, win = token_windows(p.step.new_lens, p.step.cached_lens, p.row_offsets, dev)
-    start = torch.repeat_interleave(torch.tensor(starts, dtype=torch.int64), torch.tensor(p.step.new_lens)).to(dev)
-    inside = (p.indices >= lo[:, None]) & (p.indices < (lo + win)[:, None])
-    idx = torch.where(inside, p.indices - lo[:, None] + start[:, None], -1).to(torch.int32)
-    r = p.step.kv_lora_rank
-    step = dataclasses.replace(p.step, kv_format=None)
-    return dataclasses.replace(p, kv_c=kv[:, :r], k_pe=kv[:, r:], kv_rows=kv, indices=idx,
-                               row_offsets=tuple(starts), step=step, kv_format=None)
+    from ..layer.staging import stage_windows
+
+    return stage_windows(p)
 
 
 def dequant_supports(step: PrefillStep) -> tuple[bool, str]:

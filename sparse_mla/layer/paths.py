@@ -33,6 +33,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from ..union.grouping import default_group_size
 from .host import to_device_async
 from .problem import DSAPrefillProblem, PrefillStep, restrict_to_windows, token_windows
 
@@ -230,7 +231,7 @@ def absorb_queries(p: DSAPrefillProblem, q_heads: int | None = None) -> torch.Te
 
 
 def absorbed_mqa(p: DSAPrefillProblem, out: torch.Tensor, method: str, q_heads: int | None = None,
-                 attention=None) -> torch.Tensor:
+                 attention=None, staged: bool | None = None) -> torch.Tensor:
     """The absorbed (MQA) form of the step, written into ``out`` [T, H, v_head_dim] (q's dtype):
     ``absorb_queries`` -> ``sparse_mla_fwd(method=method)`` over the latent rows [N, r + qk_rope]
     (entries outside each token's causal window turned into padding, groups inside requests) ->
@@ -245,7 +246,10 @@ def absorbed_mqa(p: DSAPrefillProblem, out: torch.Tensor, method: str, q_heads: 
             benchmark's baseline, ``sparse_mla.bench.baselines``).
         attention: the latent attention call, ``sparse_mla_fwd``'s signature (default ``sparse_mla_fwd``;
             the benchmark passes FlashMLA's kernel behind an adapter when it is installed). It receives
-            ``kv_format=`` only for an FP8 cache (then the rows are the cache's bytes).
+            ``kv_format=`` and ``kv_dequant="in_kernel"`` only for an FP8 cache on the in-kernel route (then the
+            rows are the cache's bytes).
+        staged: an FP8 cache's route: None (``sparse_mla.layer.staging.choose_route``, honouring the problem's
+            ``kv_dequant``), True (the windows staged to q's dtype first), False (dequantized in the kernel).
     """
     from ..mqa.interface import sparse_mla_fwd
 
@@ -254,6 +258,18 @@ def absorbed_mqa(p: DSAPrefillProblem, out: torch.Tensor, method: str, q_heads: 
     H = p.q_nope.shape[1]
     r, dr = p.step.kv_lora_rank, p.step.qk_rope_head_dim
     dev = p.q_nope.device
+    fmt = {}
+    if p.kv_format is not None:
+        from .staging import choose_route, stage_windows  # decorates the staging kernel: on first use
+
+        G = default_group_size(H) if method == "grouped" else 1
+        route, why = choose_route(p, method == "grouped", G) if staged is None else (
+            ("staged", "the caller stages") if staged else ("in_kernel", "the caller dequantizes in the kernel"))
+        logger.debug("dsa_prefill: FP8 cache, %s route (%s)", route, why)
+        if route == "staged":
+            p = stage_windows(p)
+        else:
+            fmt = {"kv_format": p.kv_format, "kv_dequant": "in_kernel"}
     q = absorb_queries(p, q_heads)
     kv_rows = p.kv_rows
     if kv_rows is None:
@@ -264,7 +280,6 @@ def absorbed_mqa(p: DSAPrefillProblem, out: torch.Tensor, method: str, q_heads: 
     # one request: no cu_seqlens_q (groups cannot cross a boundary that is not there; saves a host copy)
     cu = (to_device_async(torch.tensor([0, *itertools.accumulate(p.step.new_lens)], dtype=torch.int32), dev)
           if len(p.step.new_lens) > 1 else None)
-    fmt = {} if p.kv_format is None else {"kv_format": p.kv_format}
     latent = attention(q, kv_rows, idx, p.sm_scale, d_v=r, topk_length=p.topk_length, method=method, cu_seqlens_q=cu,
                        **fmt)
     out.copy_(torch.bmm(latent[:, :H].transpose(0, 1), p.w_uv.transpose(1, 2)).transpose(0, 1))

@@ -7,12 +7,14 @@ choice and runs it. ``SparseMLAPrefill`` is a thin ``nn.Module`` holding kv_b_pr
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 from ..checks import require_bool, require_finite_float, require_int
+from ..kv_format import KV_DEQUANT_MODES
 from .checks import validate_dsa_prefill_args, validate_dsa_prefill_out
 from .dispatch import PATHS, PathDecision, decide_and_log
 
@@ -37,6 +39,7 @@ def dsa_prefill(
     out: torch.Tensor | None = None,
     return_decision: bool = False,
     kv_format: str | None = None,
+    kv_dequant: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, PathDecision]:
     """DeepSeek Sparse Attention prefill of one MLA layer: per-token sparse attention over each new
     token's top-k cache rows, returned per head in the MHA form.
@@ -84,9 +87,13 @@ def dsa_prefill(
             contiguous (written and returned).
         kv_format: None (kv / kv_c / k_pe hold rows in q's dtype) or "fp8_ds_mla" (FlashMLA's / vLLM's FP8
             cache; explicit, never inferred from the dtype). Every path then computes the definition on the
-            cache dequantized to q's dtype: the MQA paths dequantize each gathered row in the kernel (the Gluon
-            kernel's producer on Hopper with bf16 q, else the Triton kernel), the MHA paths dequantize the
-            request windows' rows with torch first. The dispatcher's thresholds were measured with bf16 caches.
+            cache dequantized to q's dtype: the MHA paths dequantize the request windows' rows first; the MQA
+            paths take the route ``kv_dequant`` says. The dispatcher's thresholds were measured with bf16 caches.
+        kv_dequant: the MQA paths' route for an FP8 cache: "auto" (the measured rule,
+            ``sparse_mla.kv_staging.choose_kv_dequant``: the windows' rows staged to q's dtype when that costs less
+            than dequantizing the gathered rows in the kernel, within ``kv_staging.DEFAULT_MAX_STAGED_BYTES``),
+            "staged" (``sparse_mla.layer.staging.stage_windows``: a [sum of windows, 576] buffer of q's dtype per
+            call), or "in_kernel" (no staging memory: each gathered row dequantized in the kernel's gather).
         return_decision: also return the ``PathDecision`` (path, reason, supports table; its backend
             descriptions are left empty: ``explain(step)`` fills them).
 
@@ -100,8 +107,8 @@ def dsa_prefill(
     any window row.
 
     Raises:
-        TypeError, ValueError: bad arguments (``validate_dsa_prefill_args``), an unknown ``path``
-            name, or no path that supports the step (e.g. a long prompt on a CPU without
+        TypeError, ValueError: bad arguments (``validate_dsa_prefill_args``), an unknown ``path`` or
+            ``kv_dequant`` name, or no path that supports the step (e.g. a long prompt on a CPU without
             TRITON_INTERPRET=1), all before any kernel launch.
     """
     p = validate_dsa_prefill_args(
@@ -109,6 +116,10 @@ def dsa_prefill(
         row_offsets=row_offsets, sm_scale=sm_scale, topk_length=topk_length, dense_topk=dense_topk, check=check,
         kv_format=kv_format,
     )
+    if kv_dequant not in KV_DEQUANT_MODES:
+        raise ValueError(f"kv_dequant must be one of {KV_DEQUANT_MODES}, got {kv_dequant!r}")
+    if kv_dequant != "auto":
+        p = dataclasses.replace(p, kv_dequant=kv_dequant)
     T, H, _ = p.q_nope.shape
     if validate_dsa_prefill_out(p, out) is None:
         out = torch.empty((T, H, p.step.v_head_dim), dtype=p.q_nope.dtype, device=p.q_nope.device)

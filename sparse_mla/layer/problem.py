@@ -197,6 +197,7 @@ class DSAPrefillProblem:
     row_offsets: tuple[int, ...]  # [B] global row of each request's position 0
     step: PrefillStep
     kv_format: str | None = None  # None or "fp8_ds_mla" (then kv_rows is uint8 [N, 656])
+    kv_dequant: str = "auto"  # an FP8 cache's route in the MQA paths (``sparse_mla.layer.staging``)
 
     @property
     def w_uk(self) -> torch.Tensor:

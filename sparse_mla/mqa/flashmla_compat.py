@@ -59,6 +59,7 @@ def flash_mla_sparse_fwd(
     d_v: int = 512,
     attn_sink: torch.Tensor | None = None,
     topk_length: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sparse MLA prefill with FlashMLA's signature and conventions: each query attends to its own top-k kv rows.
 
@@ -84,6 +85,14 @@ def flash_mla_sparse_fwd(
             checked mode): ``sparse_mla_fwd(..., check=True)`` raises on it.
         topk_length: optional [s_q] int32: only indices[t, 0, :topk_length[t]] count (clamped to
             [0, topk]); later entries are never read.
+        out: optional preallocated [s_q, h_q, d_v] output in q's dtype, last dim contiguous (FlashMLA's last
+            Hopper release, commit ba89a346, added it); written and returned as the first output.
+
+    Method: what ``sparse_mla_fwd(method="auto")`` runs (``sparse_mla.mqa.selection``): at few heads per rank
+    and enough tokens G = 128 // h_q consecutive queries share a tile over the union of their top-k lists
+    (token-major: groups may span requests, each query keeps its own rows), elsewhere per token; both compute the
+    definition above. A non-finite kv row that one query selects can make the out of its whole group non-finite
+    (docs/DESIGN.md "Non-finite kv rows").
 
     Returns:
         (out, max_logits, lse):
@@ -96,7 +105,8 @@ def flash_mla_sparse_fwd(
 
     Differences from ``sparse_mla_fwd`` (the package's own API): kv and indices carry FlashMLA's
     h_kv = 1 dim (sparse_mla_fwd takes kv as [N, d_qk] rows or a paged cache, indices as [T, K]);
-    all three outputs are always returned and freshly allocated; lse is +inf, not -inf, for a query
+    all three outputs are always returned (out in ``out`` when given, the others freshly allocated); lse is
+    +inf, not -inf, for a query
     with no valid index (out 0 and max_logits -inf in both). Against FlashMLA itself: any h_q >= 1
     (FlashMLA: 64 or 128), fp16 accepted, the backend is picked by ``sparse_mla.mqa.backends``.
 
@@ -105,14 +115,15 @@ def flash_mla_sparse_fwd(
             int32, attn_sink float32), bf16 under TRITON_INTERPRET=1.
         ValueError: kv not [s_kv, 1, d_qk], indices not [s_q, 1, topk], d_qk not 512 / 576, d_v not
             512, attn_sink not [h_q], topk_length not [s_q], a non-contiguous last dim, tensors on
-            different devices, a non-finite sm_scale, CPU tensors without TRITON_INTERPRET=1.
+            different devices, a non-finite sm_scale, CPU tensors without TRITON_INTERPRET=1; out of another
+            shape, device or layout, or overlapping an input (TypeError: another dtype).
     """
     rows = _flashmla_layout(q, kv, indices)
     if q.dim() != 3:
         raise ValueError(f"q must be [s_q, h_q, d_qk], got shape {tuple(q.shape)}")
     max_logits = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
     out, lse = sparse_mla_fwd(q, rows, indices, sm_scale, d_v=d_v, topk_length=topk_length, return_lse=True,
-                              attn_sink=attn_sink, max_logits=max_logits)
+                              attn_sink=attn_sink, max_logits=max_logits, out=out)
     lse.masked_fill_(lse == -_INF, _INF)  # FlashMLA: +inf for a query with no valid index
     return out, max_logits, lse
 

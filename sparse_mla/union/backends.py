@@ -165,6 +165,9 @@ def describe_for_step(num_heads: int, topk: int, device: torch.device | None = N
     return describe_union_backend(device, G, topk, overlap_guard_ratio(G))
 
 
+_CHOSEN: dict = {}  # build_union's choice per (device, G, K, guard, complete, switch, interpreter): device facts are fixed
+
+
 def build_union(
     indices: torch.Tensor, topk_length: torch.Tensor | None, num_kv_rows: int, group_size: int,
     group_start: torch.Tensor, group_len: torch.Tensor, route: torch.Tensor, workspace,
@@ -180,9 +183,15 @@ def build_union(
     With ``cuda_smem`` a group whose union overflows its table gets union_len -1, group_len 0 and
     route 1 (its rows run per token); with ``complete=True`` that cannot happen (selection).
     """
-    name, why = select_union_backend(indices.device, group_size, indices.shape[1], guard_ratio=guard_ratio,
-                                     complete=complete)
-    logger.debug("union builder: backend %s (%s)", name, why)
+    key = (str(indices.device), group_size, indices.shape[1], guard_ratio, complete, env.get(env.UNION_BACKEND),
+           env.interpreted())
+    chosen = _CHOSEN.get(key)
+    if chosen is None:
+        chosen = _CHOSEN[key] = select_union_backend(indices.device, group_size, indices.shape[1],
+                                                     guard_ratio=guard_ratio, complete=complete)
+    name, why = chosen
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("union builder: backend %s (%s)", name, why)
     if name == "cuda_smem":
         cuda_smem.build_union(indices, topk_length, num_kv_rows, group_size, group_start, group_len, route, rows, bits,
                               union_len, guard_ratio=guard_ratio)

@@ -108,6 +108,7 @@ def guard_limit(group_size: int, topk: int, guard_ratio: float | None) -> int:
     return max(0, min(total, math.floor(guard_ratio * topk) + 1))
 
 
+@functools.lru_cache(maxsize=256)
 def plan_table(group_size: int, topk: int, guard_ratio: float | None, max_smem_per_block: int,
                slots: int | None = None) -> TablePlan:
     """The table of a launch (module docstring). ``slots`` overrides the size (a power of two in
@@ -331,7 +332,10 @@ def build_union(
     if cfg.grid == 0:
         return cfg.plan
     kern = get_kernel(idx, compile_options(threads, 2048 // threads if threads >= 512 else 1, unroll))
-    cp = _cupy()
-    with cp.cuda.Device(idx):
-        kern((cfg.grid,), (cfg.block,), cfg.args, shared_mem=cfg.smem_bytes, stream=_stream(torch.device("cuda", idx)))
+    stream = _stream(torch.device("cuda", idx))
+    if torch.cuda.current_device() == idx:
+        kern((cfg.grid,), (cfg.block,), cfg.args, shared_mem=cfg.smem_bytes, stream=stream)
+    else:
+        with _cupy().cuda.Device(idx):
+            kern((cfg.grid,), (cfg.block,), cfg.args, shared_mem=cfg.smem_bytes, stream=stream)
     return cfg.plan

@@ -1,0 +1,80 @@
+"""The layer's staged route for an FP8 cache: the rows of every request's window dequantized to q's dtype, the
+indices moved onto them, then the bf16 / fp16 MQA paths (``sparse_mla.kv_staging`` has the kernel and the rule).
+
+A window holds the rows a step can read (request b's positions 0 .. cached_b + new_b - 1), so staging the windows
+stages exactly what the attention may gather, as engines do before a bf16-only kernel; the result is the layer
+definition on the dequantized cache (``sparse_mla.layer.reference``), the same numbers the in-kernel route reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..kv_format import FP8_DS_MLA
+from ..kv_staging import choose_kv_dequant, dequantize_rows
+from .host import to_device_async
+from .problem import DSAPrefillProblem, causal_sums, token_windows
+
+# Rows a grouped step gathers, as a multiple of its queries' list rows over G (the "mid" lists' union ratio at G = 8;
+# sparse_mla.mqa.interface uses the same estimate).
+GROUPED_UNION_RATIO_ESTIMATE = 1.4
+
+
+def window_rows_total(p: DSAPrefillProblem) -> int:
+    """Rows of all request windows (what ``stage_windows`` dequantizes)."""
+    return sum(p.step.windows)
+
+
+def choose_route(p: DSAPrefillProblem, grouped: bool, group_size: int) -> tuple[str, str]:
+    """("staged" | "in_kernel", reason) for an FP8 step of the MQA paths, by ``kv_staging.choose_kv_dequant`` with the
+    window rows as the staged rows and the rows the kernel gathers (valid list entries, over G when grouped)."""
+    keys = sum(causal_sums(c, n, p.step.topk) for c, n in zip(p.step.cached_lens, p.step.new_lens))
+    gathered = keys if not grouped else int(keys / group_size * GROUPED_UNION_RATIO_ESTIMATE)
+    row_bytes = FP8_DS_MLA.d_qk * p.q_nope.element_size()
+    return choose_kv_dequant(p.kv_dequant, window_rows_total(p), gathered, row_bytes)
+
+
+def stage_windows(p: DSAPrefillProblem) -> DSAPrefillProblem:
+    """The same step on plain rows in q's dtype: every request window's rows of the FP8 cache dequantized
+    (``kv_staging.dequantize_rows``), packed request by request, and each valid index moved to its row there
+    (entries outside the token's window become -1, which the layer semantics ignore anyway).
+
+    Args:
+        p: a validated problem with an FP8 ``kv_format``.
+
+    Returns:
+        a problem with kv_format None, kv rows [sum of windows, r + qk_rope] in q's dtype (a new buffer),
+        row_offsets = where each window starts in it, and remapped int32 indices.
+
+    Raises:
+        ValueError: p has no kv_format (nothing to dequantize).
+    """
+    if p.kv_format is None:
+        raise ValueError("stage_windows needs an FP8 cache (kv_format), got plain rows")
+    dev = p.q_nope.device
+    starts, acc = [], 0
+    for L in p.step.windows:
+        starts.append(acc)
+        acc += L
+    if all(o == p.row_offsets[0] + s for o, s in zip(p.row_offsets, starts)):  # adjacent windows: one slice
+        kv = dequantize_rows(p.kv_rows, p.q_nope.dtype, slice(p.row_offsets[0], p.row_offsets[0] + acc))
+    else:
+        ids = torch.cat([torch.arange(o, o + L, dtype=torch.int32) for o, L in zip(p.row_offsets, p.step.windows)])
+        kv = dequantize_rows(p.kv_rows, p.q_nope.dtype, to_device_async(ids, dev))
+    lo, win = token_windows(p.step.new_lens, p.step.cached_lens, p.row_offsets, dev)
+    if len(starts) == 1:
+        shift = -lo[:, None]  # starts[0] == 0
+    else:
+        start = torch.repeat_interleave(torch.tensor(starts, dtype=torch.int64), torch.tensor(p.step.new_lens))
+        shift = (to_device_async(start, dev) - lo)[:, None]
+    inside = (p.indices >= lo[:, None]) & (p.indices < (lo + win)[:, None])
+    idx = torch.where(inside, p.indices + shift, -1).to(torch.int32)
+    r = p.step.kv_lora_rank
+    step = dataclasses.replace(p.step, kv_format=None)
+    return dataclasses.replace(p, kv_c=kv[:, :r], k_pe=kv[:, r:], kv_rows=kv, indices=idx, row_offsets=tuple(starts),
+                               step=step, kv_format=None)
+
+
+__all__ = ["GROUPED_UNION_RATIO_ESTIMATE", "choose_route", "stage_windows", "window_rows_total"]
