@@ -5,8 +5,9 @@
 PYTHON ?= python3
 PYTEST_ARGS ?= -q
 
-# The Gluon kernels are written against this Triton (sparse_mla/mqa/gluon_sm90.py SUPPORTED_TRITON); `make test`
-# installs it beside the environment's own, so tests/test_gluon_compile.py compiles every variant for sm_90.
+# The Gluon kernels are written against this Triton (SUPPORTED_TRITON in sparse_mla/mqa/gluon_sm90/__init__.py);
+# `make test` installs it beside the environment's own, so tests/mqa/test_gluon_compile.py compiles every variant
+# for sm_90.
 GLUON_TRITON ?= 3.6.0
 GLUON_TRITON_DIR ?= .cache/triton-gluon
 

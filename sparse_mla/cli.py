@@ -70,6 +70,7 @@ app = typer.Typer(
 
 SPARSE_MLA_PATH_ENV = env.PATH.name  # sparse_mla.layer.dispatch.ENV_VAR (sparse_mla.env imports no torch)
 
+
 def version_line() -> str:
     """``sparse-mla X (torch Y, triton Z)``: this package's version and those of the torch and Triton it runs on."""
     from importlib import import_module
@@ -99,7 +100,6 @@ def _main(
     pass
 
 
-SPARSE_MLA_PATH_ENV = "SPARSE_MLA_PATH"  # sparse_mla.layer.dispatch.ENV_VAR (not imported: it loads torch)
 # Default --trials: do_bench trials per path on one GPU, timed iterations per variant under torchrun,
 # one wall-clock run under the interpreter (not a performance number either way).
 TRIALS_GPU, TRIALS_TORCHRUN, TRIALS_INTERPRETER = 5, 3, 1

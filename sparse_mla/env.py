@@ -36,26 +36,27 @@ class Switch:
 PATH = Switch(
     "SPARSE_MLA_PATH", "auto", "auto, dense_mha, masked_mha, mqa_grouped, mqa_per_token", "per call",
     "sparse_mla.layer.dispatch",
-    "forces the layer path of dsa_prefill when path= is not given; a path that does not support the step falls "
-    "back to the automatic choice with a PathFallbackWarning, an unknown name warns and is ignored")
+    "forces the layer path of `dsa_prefill` where `path=` is not given; one that cannot run the step falls back to "
+    "the automatic choice with a `PathFallbackWarning`, an unknown name warns and is ignored")
 MQA_BACKEND = Switch(
     "SPARSE_MLA_MQA_BACKEND", "auto", "auto, triton, gluon_sm90", "per call", "sparse_mla.mqa.backends",
-    "forces the sparse MQA attention backend; forcing one that does not apply raises ValueError")
+    "forces the attention backend of `sparse_mla_fwd`; one that cannot run raises `ValueError` with the reason")
 UNION_BACKEND = Switch(
     "SPARSE_MLA_UNION_BACKEND", "auto", "auto, triton, cuda_smem", "per call", "sparse_mla.union.backends",
-    "forces the top-k union builder; cuda_smem where it cannot run raises ValueError")
+    "forces the union builder of the grouped path; `cuda_smem` where it cannot run raises `ValueError` with the "
+    "reason")
 GLUON_SCHEDULE = Switch(
     "SPARSE_MLA_GLUON_SCHEDULE", "pair", "pair, split", "at import", "sparse_mla.mqa.gluon_sm90.config",
-    "schedule of the Gluon kernel on bf16 / fp16 caches (an fp8_ds_mla cache always runs split)")
+    "Gluon schedule on bf16 / fp16 caches (an `fp8_ds_mla` cache always runs `split`)")
 GLUON_O_VIA_SMEM = Switch(
     "SPARSE_MLA_GLUON_O_VIA_SMEM", "1", "1, 0", "at import", "sparse_mla.mqa.gluon_sm90.config",
-    "the Gluon kernel stores O through shared memory (1) or directly (0)", tuning=True)
+    "Gluon: O stored through shared memory (`1`) or directly (`0`)", tuning=True)
 GLUON_PERSISTENT = Switch(
     "SPARSE_MLA_GLUON_PERSISTENT", "1", "1, 0", "at import", "sparse_mla.mqa.gluon_sm90.config",
-    "the Gluon kernel runs a persistent grid, one CTA per SM (1), or one CTA per work item (0)", tuning=True)
+    "Gluon: a persistent grid, one CTA per SM (`1`), or one CTA per work item (`0`)", tuning=True)
 GLUON_FP8_PRODUCER_REGS = Switch(
     "SPARSE_MLA_GLUON_FP8_PRODUCER_REGS", "72", "an int", "at import", "sparse_mla.mqa.gluon_sm90.config",
-    "registers per producer thread of the Gluon kernel's FP8 (fp8_ds_mla) variant", tuning=True)
+    "Gluon: registers per producer thread of the FP8 (`fp8_ds_mla`) variant", tuning=True)
 
 SWITCHES: tuple[Switch, ...] = (PATH, MQA_BACKEND, UNION_BACKEND, GLUON_SCHEDULE, GLUON_O_VIA_SMEM, GLUON_PERSISTENT,
                                 GLUON_FP8_PRODUCER_REGS)
@@ -63,6 +64,7 @@ SWITCHES: tuple[Switch, ...] = (PATH, MQA_BACKEND, UNION_BACKEND, GLUON_SCHEDULE
 # The modules that define Triton / Gluon kernels (decorated at import: TRITON_INTERPRET must be set before them).
 KERNEL_MODULES = (
     "sparse_mla.online_softmax",
+    "sparse_mla.kv_staging",
     "sparse_mla.mqa.triton_tl",
     "sparse_mla.mqa.gluon_sm90",
     "sparse_mla.union.planning",
@@ -91,12 +93,22 @@ def kernels_imported() -> bool:
     return any(m == k or m.startswith(k + ".") for m in list(sys.modules) for k in KERNEL_MODULES)
 
 
+def _values_cell(s: Switch) -> str:
+    """The values column: each value in code, the default first (unset means the default); a switch that takes
+    a number shows its default and the kind of value (``72`` (an int))."""
+    values = [v.strip() for v in s.values.split(",")]
+    if s.default not in values:
+        return f"`{s.default}` ({s.values})"
+    return ", ".join(f"`{v}`" for v in [s.default, *(v for v in values if v != s.default)])
+
+
 def markdown_table() -> str:
-    """``SWITCHES`` as a Markdown table (the README's "Environment switches")."""
-    rows = ["| switch | values (default) | read | what it does |", "|---|---|---|---|"]
+    """``SWITCHES`` as a Markdown table: the README's "Environment switches" is this text, verbatim
+    (tests/test_env.py checks it); the owners are in ``Switch.owner`` and docs/decisions.md."""
+    rows = ["| switch | read | values (default first) | what it does |", "|---|---|---|---|"]
     for s in SWITCHES:
-        doc = ("kernel tuning, not for production: " if s.tuning else "") + s.doc
-        rows.append(f"| `{s.name}` | {s.values} (`{s.default}`) | {s.when} | {doc} (`{s.owner}`) |")
+        doc = s.doc + (" (tuning knob, not for production)" if s.tuning else "")
+        rows.append(f"| `{s.name}` | {s.when} | {_values_cell(s)} | {doc} |")
     return "\n".join(rows) + "\n"
 
 

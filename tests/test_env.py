@@ -1,7 +1,7 @@
 """The environment switches: every ``SPARSE_MLA_*`` name in the package is a row of ``sparse_mla.env.SWITCHES``,
-nothing outside ``sparse_mla/env.py`` reads one (or TRITON_INTERPRET) from ``os.environ``, and the table's
-modules and values match their owners. Plain Python and ``ast`` over the committed files (``testlib.paths.package_files``):
-no kernel is imported."""
+nothing outside ``sparse_mla/env.py`` reads one (or TRITON_INTERPRET) from ``os.environ``, the table's modules
+and values match their owners, and the README's "Environment switches" is ``env.markdown_table()``. Plain Python
+and ``ast`` over the committed files (``testlib.paths.package_files``): no kernel is imported."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
-from testlib.paths import PACKAGE, REPO, package_files
+from testlib.paths import PACKAGE, README, REPO, package_files
 
 from sparse_mla import env
 
@@ -84,6 +84,7 @@ def test_owners_name_their_switch_and_its_values():
         src = (path.with_suffix(".py") if path.with_suffix(".py").exists() else path / "__init__.py").read_text()
         assert f"env.{consts[s.name]}" in src, f"{s.owner} does not read {s.name} through sparse_mla.env"
 
+
 def _defines_kernels(tree: ast.Module) -> bool:
     """Whether a module decorates a function with triton.jit / gluon.jit (with or without arguments)."""
     for node in ast.walk(tree):
@@ -127,3 +128,16 @@ def test_markdown_table_has_one_row_per_switch():
     assert len(table) == 2 + len(env.SWITCHES)
     for s, row in zip(env.SWITCHES, table[2:]):
         assert row.startswith(f"| `{s.name}` |") and ("not for production" in row) == s.tuning
+
+
+README_TABLE_MARK = '<!-- python -c "import sparse_mla.env as e; print(e.markdown_table())" -->\n'
+
+
+def test_readme_table_is_markdown_table():
+    """(c) the README's "Environment switches" table is ``env.markdown_table()``, verbatim (the table is generated
+    from ``SWITCHES``, never typed: regenerate it with the command in the comment above it)."""
+    text = README.read_text()
+    section = text.split("\n## Environment switches\n", 1)[1].split("\n## ", 1)[0]
+    assert README_TABLE_MARK in section, "the README's switches table lost its generating comment"
+    table = section.split(README_TABLE_MARK, 1)[1].split("\n\n", 1)[0] + "\n"
+    assert table == env.markdown_table()

@@ -52,11 +52,12 @@ def test_readme_is_short():
 
 
 def test_docs_cite_committed_result_files():
-    """Every results/ path the README and docs/ cite exists (a glob must match a file); ``results/X@commit`` names
-    a file as committed in that commit (git history), ``git show commit:results/X`` an older file: not checked."""
+    """Every results/ path the README, docs/ and the results / benchmarks READMEs cite exists (a glob must match a
+    file); ``results/X@commit`` names a file as committed in that commit (git history), ``git show
+    commit:results/X`` an older file: not checked."""
     root = README.parent
-    docs = [README, root / "results" / "README.md", *sorted((root / "docs").rglob("*.md")),
-            *sorted((root / "results").glob("*/README.md"))]
+    docs = [README, root / "results" / "README.md", root / "benchmarks" / "README.md",
+            *sorted((root / "docs").rglob("*.md")), *sorted((root / "results").glob("*/README.md"))]
     missing = []
     for doc in docs:
         for m in re.finditer(r"(?<![:\w/])results/[\w.*{},/-]*\w", doc.read_text()):
@@ -66,3 +67,17 @@ def test_docs_cite_committed_result_files():
             if not list(root.glob(path)) and not (root / path).is_dir():
                 missing.append(f"{doc.relative_to(root)}: {path}")
     assert not missing, missing
+
+
+def test_results_table_is_the_report_of_the_committed_json(monkeypatch):
+    """The README's results table is ``sparse-mla report --markdown results/bench.json`` verbatim, its comment
+    line included (regenerate it with that command after a new run)."""
+    from typer.testing import CliRunner
+
+    from sparse_mla.cli import app
+
+    monkeypatch.chdir(README.parent)  # the command as the README writes it, from the repository
+    res = CliRunner().invoke(app, ["report", "--markdown", "results/bench.json"], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    section = README.read_text().split("\n## Results (H200)\n", 1)[1].split("\n## ", 1)[0]
+    assert res.output.strip() + "\n" in section, "README table differs from `sparse-mla report --markdown results/bench.json`"

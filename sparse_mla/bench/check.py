@@ -17,7 +17,7 @@ from .inputs import sub_problem
 Chunk = tuple[int, int, torch.Tensor]  # (lo, hi, reference o [hi - lo, H, v_head_dim] fp32)
 
 # Relative Frobenius error a benchmarked result may have against the fp32 reference, per q / kv dtype:
-# a few unit roundoffs of the dtype (u = 2^-8 bf16, 2^-11 fp16; tests/lib.py TOLERANCE is the same table).
+# a few unit roundoffs of the dtype (u = 2^-8 bf16, 2^-11 fp16; tests/testlib/tolerances.py TOLERANCE is the same table).
 CHECK_TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
 
 

@@ -44,7 +44,7 @@ import torch
 
 D_QK, D_V = 576, 512
 PEAK_TFLOPS, HBM_TBS = 790.0, 4.3
-ROW_TOL = {torch.bfloat16: 3 * 2**-8, torch.float16: 3 * 2**-11}  # tests/lib.py ROW_TOLERANCE
+ROW_TOL = {torch.bfloat16: 3 * 2**-8, torch.float16: 3 * 2**-11}  # tests/testlib/tolerances.py ROW_TOLERANCE
 # Triton launch configs (BLOCK_N, num_warps, num_stages) tried by --sweep-configs for the FP8 cache.
 SWEEP_CONFIGS = ((64, 4, 2), (64, 8, 2), (32, 4, 2), (32, 8, 2), (32, 8, 3), (64, 8, 1))
 VARIANTS = ("bf16", "bf16 triton", "fp8", "fp8 triton", "dequant+bf16")  # the rows of a case, sweep rows aside
