@@ -21,11 +21,13 @@ import triton.language as tl
 
 from .kv_format import FP8_DS_MLA, KV_DEQUANT_MODES
 
-# H200, bf16 q, D_qk 576 (results/op-recon-*.json, probe of 2026-12-01): dequantizing in the gather adds about
-# 0.16 ns per gathered row on the per-token path (6.45 vs 3.87 ms for 8192 x 2048 rows at 16 heads) and 0.38 ns
-# per union row on the grouped one (2.84 vs 1.72 ms over 2.9 M union rows); staging costs STAGE_NS_PER_ROW per row.
+# H200, bf16 q, D_qk 576: dequantizing in the gather adds about 0.16 ns per gathered row on the per-token path (6.45
+# vs 3.87 ms for 8192 x 2048 rows at 16 heads; results/fp8-route-probe.json) and 0.38 ns per union row on the grouped
+# one; the staged route adds STAGE_FIXED_NS plus STAGE_NS_PER_ROW per staged row to the bf16 call (results/op-a1.json:
+# +0.03 ms for 24.6K rows at 8K tokens, +0.125 ms for 33K rows at 256 tokens, where the in-kernel route added 0.016 ms).
 INKERNEL_NS_PER_GATHERED_ROW = 0.16
-STAGE_NS_PER_ROW = 0.6
+STAGE_NS_PER_ROW = 1.5
+STAGE_FIXED_NS = 40_000
 # Staging allocates [rows, 576] of q's dtype per call unless the caller passes a buffer; above this it never stages.
 DEFAULT_MAX_STAGED_BYTES = 4 * 2**30
 
@@ -59,7 +61,7 @@ def choose_kv_dequant(mode: str, staged_rows: int, gathered_rows: int, row_bytes
         return "staged", "kv_dequant='staged'"
     if not fits:
         return "in_kernel", f"{staged_rows} staged rows ({nbytes / 2**20:.0f} MiB) exceed the {limit / 2**20:.0f} MiB allowed"
-    stage_ns = staged_rows * STAGE_NS_PER_ROW
+    stage_ns = STAGE_FIXED_NS + staged_rows * STAGE_NS_PER_ROW
     extra_ns = gathered_rows * INKERNEL_NS_PER_GATHERED_ROW
     if stage_ns <= extra_ns:
         return "staged", (f"staging {staged_rows} rows (~{stage_ns / 1e3:.0f} us) costs less than dequantizing "
@@ -138,5 +140,5 @@ def dequantize_rows(cache_rows: torch.Tensor, dtype: torch.dtype, rows: torch.Te
     return out
 
 
-__all__ = ["KV_DEQUANT_MODES", "INKERNEL_NS_PER_GATHERED_ROW", "STAGE_NS_PER_ROW", "DEFAULT_MAX_STAGED_BYTES",
+__all__ = ["KV_DEQUANT_MODES", "INKERNEL_NS_PER_GATHERED_ROW", "STAGE_NS_PER_ROW", "STAGE_FIXED_NS", "DEFAULT_MAX_STAGED_BYTES",
            "choose_kv_dequant", "dequantize_rows"]

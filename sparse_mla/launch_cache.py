@@ -21,6 +21,11 @@ ENABLED = True  # False: every launch goes through the JIT (A/B of the host path
 CHECKED = False  # tests: verify on every launch that the key names the variant Triton would launch
 
 
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook is installed: None or an empty ``HookChain`` (Triton 3.6) means none."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 class LaunchCache:
     """Launches of one ``@triton.jit`` / ``@gluon.jit`` kernel, cached by a caller-supplied variant key."""
 
@@ -56,7 +61,7 @@ class LaunchCache:
         fn = self.fn
         from triton import knobs
 
-        hooks = knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+        hooks = _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)
         if not ENABLED or hooks or interpreted():
             fn[grid](*args, **constexprs, **options)
             return

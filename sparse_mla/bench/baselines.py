@@ -35,12 +35,23 @@ PATH_COLUMNS = (*PATH_NAMES, PAD64_NAME)  # every path the benchmark times: the 
 
 
 def _flash_mla_module():
-    """FlashMLA's Python package when importable, with its sparse-prefill call, else None."""
+    """FlashMLA's sparse-prefill call when importable, as an object with ``flash_mla_sparse_fwd``: the ``flash_mla``
+    package, or the ``flashmla_sm90`` extension that benchmarks/flashmla/build.py builds from FlashMLA's sources
+    (same call); else None."""
     try:
         import flash_mla  # FlashMLA's package (github.com/deepseek-ai/FlashMLA); optional, never a dependency
+
+        if hasattr(flash_mla, "flash_mla_sparse_fwd"):
+            return flash_mla
     except Exception:  # not installed, or built for another CUDA / torch
+        pass
+    try:
+        import flashmla_sm90
+    except Exception:
         return None
-    return flash_mla if hasattr(flash_mla, "flash_mla_sparse_fwd") else None
+    import types
+
+    return types.SimpleNamespace(flash_mla_sparse_fwd=flashmla_sm90.sparse_prefill_fwd)
 
 
 def pad64_baseline_kind(device: torch.device, kv_format: str | None = None) -> str:
