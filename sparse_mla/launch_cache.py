@@ -53,8 +53,8 @@ class LaunchCache:
             grid: 1 to 3 ints.
             args: the leading parameters in order (run-time values; constexprs may be among them only if
                 ``key`` covers them).
-            constexprs: the remaining parameters by name (every one of them: the direct path passes them
-                positionally in the kernel's order).
+            constexprs: the remaining parameters by name (every one of them, but those that are also launch options,
+                like a Gluon kernel's ``num_warps``: the direct path passes them positionally in the kernel's order).
             options: launch options (num_warps, num_stages, ...); part of the variant, so ``key`` must cover them.
         """
         options = options or {}
@@ -80,7 +80,7 @@ class LaunchCache:
             return
         if self._trailing is None:
             self._trailing = tuple(fn.arg_names[len(args):])
-        rest = tuple(constexprs[n] for n in self._trailing)
+        rest = tuple(constexprs[n] if n in constexprs else options[n] for n in self._trailing)
         g = tuple(grid) + (1, 1)
         stream = drv.get_current_stream(dev)
         k.run(g[0], g[1], g[2], stream, k.function, k.packed_metadata, None, None, None, *args, *rest)
