@@ -233,7 +233,7 @@ def _exit_on_failures(failures: list[str]) -> None:
 @app.command(cls=_Command, short_help="Check and time every DSA prefill path per scenario (the main job).")
 def bench(
     ctx: typer.Context,
-    model: Annotated[list[Model] | None, typer.Option(metavar="MODEL", show_default="glm-5 at TP4 and deepseek-v3.2 at TP8", help="Model layout, repeatable: deepseek-v3.2, glm-5, glm-5.3-flash.")] = None,
+    model: Annotated[list[Model] | None, typer.Option("--model", metavar="MODEL", show_default="glm-5 at TP4 and deepseek-v3.2 at TP8", help="Model layout, repeatable: deepseek-v3.2, glm-5, glm-5.3-flash.")] = None,
     dims: Annotated[list[str] | None, typer.Option(metavar="H,R,NOPE,ROPE,V", show_default="none", help="A custom layout (repeatable): heads, kv_lora_rank, qk_nope, qk_rope, v_head_dim, e.g. 128,512,128,64,128; qk_rope may be 0 (NoPE).")] = None,
     tp: Annotated[int | None, typer.Option(metavar="W", show_default="glm-5 4, deepseek-v3.2 8, others 1; WORLD_SIZE under torchrun", help="Tensor-parallel size: heads per rank = heads / tp on one GPU; under torchrun with W processes, runs ShardQ vs TP on W GPUs (tp must be W).")] = None,
     tokens: Annotated[str | None, typer.Option(metavar="T[,T...]", show_default="GPU: the default scenarios; CPU: two small ones", help="New (query) tokens per scenario, comma-separated, e.g. 8192,16384.")] = None,
@@ -346,7 +346,7 @@ def report_cmd(
                                                    "torchrun its ShardQ-vs-TP one) or of a bench module "
                                                    "(sparse_mla.bench.kv_fp8, .shardq_layer, .op).")],
     wide: Annotated[bool, typer.Option("--wide", help="The full tables (every figure), not the compact ones that fit 80 columns.")] = False,
-    markdown: Annotated[bool, typer.Option("--markdown", help="Markdown tables; for `sparse-mla bench` JSON the README's table (the README's table is generated from the committed JSON, never typed).")] = False,
+    markdown: Annotated[bool, typer.Option("--markdown", help="Markdown tables; for results/bench.json, the README's results table.")] = False,
 ) -> None:
     """Print a bench JSON as tables: compact by default (each fits 80 columns), every figure with --wide,
     markdown with --markdown. Renders every JSON that `sparse-mla bench` and the bench modules write

@@ -5,7 +5,8 @@ Per case (``OpCase``: heads H, lists, cached + new tokens, topk, d_qk, features)
 sampled tokens, then timed (``sparse_mla.bench.timing``: do_bench medians, L2 flushed):
 
 * ``per_token`` / ``grouped``: ``sparse_mla_fwd(method=...)`` with a preallocated workspace and outputs;
-* ``auto``: the default ``sparse_mla_fwd`` call (method "auto", no workspace: the package's own cached one);
+* ``auto``: the default ``sparse_mla_fwd`` call (method "auto", no workspace: the package's own cached one), into a
+  preallocated ``out=`` like the forced calls (what is compared is the method);
 * ``drop_in``: ``sparse_mla.flash_mla_sparse_fwd``, FlashMLA's call (no cu_seqlens_q);
 * ``flashmla``: FlashMLA's SM90 sparse prefill (``benchmarks/flashmla/build.py``; module ``flashmla_sm90`` or a
   ``flash_mla`` package) on q zero-padded to 64 heads when H < 64 (what Hopper engines run), on q itself at 64 /
@@ -255,13 +256,13 @@ def make_calls(case: OpCase, inp: dict) -> dict:
     if inp.get("kv_fp8") is not None:
         return _fp8_calls(inp, common)
     out_pt = torch.full((T, H, 512), math.nan, dtype=q.dtype, device=q.device)  # poisoned: unwritten rows fail the check
-    out_g = out_pt.clone()
+    out_g, out_a = out_pt.clone(), out_pt.clone()
     ws = SparseMLAWorkspace.for_problem(max(T, 1), idx.shape[1], H, inp["N"], q.device)
     calls = {
         "per_token": lambda: sparse_mla_fwd(q, kv, idx, inp["sm_scale"], method="per_token", out=out_pt, **common),
         "grouped": lambda: sparse_mla_fwd(q, kv, idx, inp["sm_scale"], method="grouped", workspace=ws, out=out_g,
                                           **common),
-        "auto": lambda: sparse_mla_fwd(q, kv, idx, inp["sm_scale"], **common),
+        "auto": lambda: sparse_mla_fwd(q, kv, idx, inp["sm_scale"], out=out_a, **common),
         "drop_in": lambda: flash_mla_sparse_fwd(q, kv[:, None], idx[:, None], inp["sm_scale"], d_v=512,
                                                 attn_sink=inp["attn_sink"], topk_length=inp["topk_length"])[0],
     }
