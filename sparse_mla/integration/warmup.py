@@ -112,7 +112,7 @@ def step_shape_reps(group_size: int, max_tokens: int, max_requests: int,
         reps.setdefault(("token_major", _int_class(T), _int_class(triton.cdiv(T, G))), (T, None))
     t_keys: dict[tuple, int] = {}
     for T in range(1, t_max + 1):
-        n_groups = workspace_max_groups if workspace_max_groups is not None else triton.cdiv(T, G)
+        n_groups = triton.cdiv(T, G)  # the groups a step plans, with or without cu_seqlens_q
         t_keys.setdefault((_int_class(T), _int_class(n_groups)), T)
     b_keys: dict[tuple, int] = {}
     for B in range(1, max_requests + 1):
@@ -120,6 +120,12 @@ def step_shape_reps(group_size: int, max_tokens: int, max_requests: int,
     for tk, T in t_keys.items():
         for bk, B in b_keys.items():
             reps.setdefault(("requests", *tk, *bk), (T, B))
+    # a step of PROBE_MIN_GROUPS groups runs the overlap probe (the planner's probe variant, the decision kernel)
+    T_probe = union_probe.PROBE_MIN_GROUPS * G
+    if T_probe <= max_tokens:
+        reps.setdefault(("probe", "token_major"), (T_probe, None))
+        for bk, B in b_keys.items():
+            reps.setdefault(("probe", *bk), (T_probe, B))
     return list(reps.values())
 
 

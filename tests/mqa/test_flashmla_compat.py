@@ -105,7 +105,13 @@ def test_any_head_count(case):
 def test_many_tokens_grid(monkeypatch):
     """FlashMLA's s_q = 70000 case: the launch grid keeps the token count on the axis without the 65535
     limit (recorded, not run, on the CPU; test_many_tokens_gpu runs it). Two heads: the head axis of the
-    grid is at most 2 blocks for any h_q <= 128, and 70000 x 128 heads of out would not fit in CPU memory."""
+    grid is at most 2 blocks for any h_q <= 128, and 70000 x 128 heads of out would not fit in CPU memory. The
+    portable kernel per token (the grid it sizes from T; the Gluon kernel's is persistent), and the grouped call the
+    default makes at 2 heads within the limits too."""
+    from sparse_mla.mqa import selection
+
+    monkeypatch.setenv(backends.ENV_VAR, "triton")
+    monkeypatch.setattr(selection, "GROUPING_RULES", (selection.GroupingRule(128, selection.NEVER), ))
     grids = record_launch_grids(monkeypatch)
     q = torch.zeros(1, 1, 576, dtype=DTYPE, device=DEVICE).expand(70000, 2, 576)
     kv = torch.zeros(256, 1, 576, dtype=DTYPE, device=DEVICE)
@@ -114,6 +120,11 @@ def test_many_tokens_grid(monkeypatch):
     flash_mla_sparse_fwd(q, kv, idx, 0.5, attn_sink=torch.zeros(2, device=DEVICE), topk_length=lens)
     assert_grids_within_cuda_limits(grids)
     assert any(grid[0] == 70000 for _, grid in grids)
+    grids.clear()
+    monkeypatch.setattr(selection, "GROUPING_RULES", (selection.GroupingRule(128, 1), ))
+    flash_mla_sparse_fwd(q, kv, idx, 0.5, attn_sink=torch.zeros(2, device=DEVICE), topk_length=lens)
+    assert_grids_within_cuda_limits(grids)
+    assert any(name == "sparse_mla_union_smem" or "union" in name for name, _ in grids), grids
 
 
 # ------------------------------------------------------------------------------- conventions and semantics

@@ -24,10 +24,17 @@ def record_launch_grids(monkeypatch) -> list[tuple[str, tuple[int, ...]]]:
             return lambda *args, **kwargs: None
 
     for mod_name in ("sparse_mla.mqa.triton_tl", "sparse_mla.mqa.gluon_sm90.launcher", "sparse_mla.union.planning",
-                     "sparse_mla.union.triton_tl"):
+                     "sparse_mla.union.triton_tl", "sparse_mla.union.probe", "sparse_mla.kv_staging"):
         mod = importlib.import_module(mod_name)
         for name in [n for n in vars(mod) if n.endswith("_kernel") and not n.startswith("__")]:
             monkeypatch.setattr(mod, name, _Stub(name))
+    # the CUDA union builder (CuPy): recorded too, never launched on the stubs' unwritten buffers
+    cuda_smem = importlib.import_module("sparse_mla.union.cuda_smem")
+
+    def _union(indices, topk_length, num_kv_rows, group_size, group_start, *args, **kwargs):
+        grids.append(("sparse_mla_union_smem", (group_start.shape[0], )))
+
+    monkeypatch.setattr(cuda_smem, "build_union", _union)
     return grids
 
 
