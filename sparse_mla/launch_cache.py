@@ -29,14 +29,18 @@ def _hooked(hook) -> bool:
 class LaunchCache:
     """Launches of one ``@triton.jit`` / ``@gluon.jit`` kernel, cached by a caller-supplied variant key."""
 
-    def __init__(self, fn=None, align: tuple[int, ...] = (), *, namespace: dict | None = None, name: str = ""):
+    def __init__(self, fn=None, align: tuple[int, ...] = (), *, wide: tuple[int, ...] = (), namespace: dict | None = None,
+                 name: str = ""):
         """The kernel ``fn``, or the module global ``namespace[name]`` looked up at every launch (so that a test that
         replaces the global is obeyed). ``align``: positions of pointer arguments whose 16-byte alignment Triton
-        specializes on and the caller's key does not fix; their alignment joins the key on every launch."""
+        specializes on and the caller's key does not fix; their alignment joins the key on every launch. ``wide``:
+        positions of integer arguments that may pass 2**31 - 1 (Triton types them int64 then); whether they do
+        joins the key."""
         self._fn = fn
         self._namespace = namespace
         self._name = name
         self.align = align
+        self.wide = wide
         self._kernels: dict = {}
         self._trailing = None  # names of the parameters after the positional ones, in order (set on first use)
 
@@ -69,7 +73,8 @@ class LaunchCache:
 
         drv = driver.active
         dev = drv.get_current_device()
-        full = (dev, id(fn), key, *(args[i].data_ptr() % 16 == 0 for i in self.align))
+        full = (dev, id(fn), key, *(args[i].data_ptr() % 16 == 0 for i in self.align),
+                *(args[i] > 2**31 - 1 for i in self.wide))
         k = self._kernels.get(full)
         if k is None or CHECKED:
             kernel = fn[grid](*args, **constexprs, **options)

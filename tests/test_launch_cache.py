@@ -101,3 +101,12 @@ def test_module_global_is_looked_up_at_each_launch(direct):
     ns["k"] = _Kernel(log_b)  # a test's stand-in replaces the global: its own first launch goes through it
     lc(("v", ), (1, ), (_Ptr(0), 1), {"BLOCK": 1}, {"num_warps": 1})
     assert [e[0] for e in log_a] == ["jit"] and [e[0] for e in log_b] == ["jit"]
+
+
+def test_wide_integers_join_the_key(direct):
+    """An integer that passes int32 (Triton types it int64) is another variant: the JIT runs again for it."""
+    log = []
+    lc = launch_cache.LaunchCache(_Kernel(log), wide=(1, ))
+    for n in (7, 7, 2**31, 2**31):
+        lc(("v", ), (1, ), (_Ptr(0), n), {"BLOCK": 1}, {"num_warps": 1})
+    assert [e[0] for e in log] == ["jit", "direct", "jit", "direct"]

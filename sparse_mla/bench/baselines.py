@@ -54,12 +54,16 @@ def _flash_mla_module():
     return types.SimpleNamespace(flash_mla_sparse_fwd=flashmla_sm90.sparse_prefill_fwd)
 
 
-def pad64_baseline_kind(device: torch.device, kv_format: str | None = None) -> str:
-    """Which kernel the pad-64 baseline runs on ``device``: "flash_mla" (FlashMLA installed, Hopper GPU), or
-    "sparse_mla:<backend>" (this package's per-token kernel that the selection point picks for 64 heads); with
-    an FP8 ``kv_format``, prefixed "dequant+" (the windows are dequantized to bf16 first, ``dequantize_windows``)."""
+def pad64_baseline_kind(device: torch.device, kv_format: str | None = None, *, topk: int | None = None,
+                        dtype: torch.dtype = torch.bfloat16) -> str:
+    """Which kernel the pad-64 baseline runs on ``device``: "flash_mla" (FlashMLA installed, Hopper GPU, and a call
+    its SM90 sparse prefill takes: bf16, topk a multiple of its 64-row tile), or "sparse_mla:<backend>" (this
+    package's per-token kernel that the selection point picks for 64 heads); with an FP8 ``kv_format``, prefixed
+    "dequant+" (the windows are dequantized to bf16 first, ``dequantize_windows``)."""
     prefix = "" if kv_format is None else "dequant+"
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and _flash_mla_module() is not None:
+    takes = dtype == torch.bfloat16 and (topk is None or topk % 64 == 0)
+    if (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and takes
+            and _flash_mla_module() is not None):
         return prefix + "flash_mla"
     from ..mqa.backends import gluon_sm90_device_applies
 
@@ -106,7 +110,8 @@ def mqa_per_token_pad64(inputs: dict, out: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{PAD64_NAME}: {why}")
     if p.kv_format is not None:
         p = dequantize_windows(p)
-    attention = _flash_mla_attention if pad64_baseline_kind(p.q_nope.device) == "flash_mla" else None
+    kind = pad64_baseline_kind(p.q_nope.device, topk=p.step.topk, dtype=p.q_nope.dtype)
+    attention = _flash_mla_attention if kind == "flash_mla" else None
     return absorbed_mqa(p, out, "per_token", q_heads=PAD_HEADS, attention=attention)
 
 

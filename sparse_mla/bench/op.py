@@ -194,10 +194,15 @@ def flashmla_module():
         return None
 
 
-def baseline_kind(device) -> str:
-    """"flashmla" (FlashMLA importable on a Hopper GPU) or "pad64_sparse_mla" (this package's per-token call)."""
+FLASHMLA_TOPK_MULTIPLE = 64  # FlashMLA's SM90 sparse prefill walks the lists in 64-row tiles (no remainder path)
+
+
+def baseline_kind(device, topk: int | None = None, dtype: torch.dtype = torch.bfloat16) -> str:
+    """"flashmla" (FlashMLA importable on a Hopper GPU, and a call it takes: bf16, topk a multiple of 64) or
+    "pad64_sparse_mla" (this package's per-token call on the same padded q)."""
     dev = torch.device(device)
     ok = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] == 9 and flashmla_module() is not None
+    ok = ok and dtype == torch.bfloat16 and (topk is None or topk % FLASHMLA_TOPK_MULTIPLE == 0)
     return "flashmla" if ok else "pad64_sparse_mla"
 
 
@@ -275,7 +280,7 @@ def make_calls(case: OpCase, inp: dict) -> dict:
     if inp["attn_sink"] is not None:
         sinkp = torch.full((heads,), -math.inf, device=q.device)
         sinkp[:H] = inp["attn_sink"]
-    fm = flashmla_module() if baseline_kind(q.device) == "flashmla" else None
+    fm = flashmla_module() if baseline_kind(q.device, idx.shape[1], q.dtype) == "flashmla" else None
     if fm is not None:
         kv3, idx3 = kv[:, None], idx[:, None]
         calls["flashmla"] = lambda: fm(qp, kv3, idx3, inp["sm_scale"], 512, sinkp, inp["topk_length"])[0][:, :H]
@@ -305,7 +310,7 @@ def _fp8_calls(inp: dict, common: dict) -> dict:
     heads = PAD_HEADS if H <= PAD_HEADS else 128
     qp = torch.zeros(T, heads, q.shape[2], dtype=q.dtype, device=q.device)
     qp[:, :H] = q
-    fm = flashmla_module() if baseline_kind(q.device) == "flashmla" else None
+    fm = flashmla_module() if baseline_kind(q.device, idx.shape[1], q.dtype) == "flashmla" else None
 
     def engines():
         rows = dequantize_rows(kv8, q.dtype)
@@ -360,7 +365,7 @@ def run_case(case: OpCase, *, calls: tuple[str, ...] = CALLS, trials: int = 1, h
     flops = useful_flops(inp, case.heads, case.d_qk)
     sample = torch.linspace(0, T - 1, min(CHECK_TOKENS, T), device=device).round().long().unique()
     row = {"case": case.name, **asdict(case), "tokens": T, "kv_rows": inp["N"], "useful_tflop": flops / 1e12,
-           "baseline": baseline_kind(device), **uf, "floor_ms": fl, "calls": {}}
+           "baseline": baseline_kind(device, inp["indices"].shape[1], dtype), **uf, "floor_ms": fl, "calls": {}}
     fns = make_calls(case, inp)
     for name in (tuple(fns) if case.kv_fp8 else calls):
         if name not in fns:

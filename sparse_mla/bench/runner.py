@@ -206,7 +206,7 @@ def run_scenario(sc: Scenario, *, dtype: torch.dtype, device: torch.device, over
         "chosen_ms": chosen.get("ms"), "chosen_tflops": chosen.get("tflops"),
         "chosen_speedup_vs_per_token": chosen.get("speedup_vs_per_token"),
         "chosen_speedup_vs_pad64": chosen.get("speedup_vs_pad64"),
-        "pad64_baseline": pad64_baseline_kind(device, kv_format),
+        "pad64_baseline": pad64_baseline_kind(device, kv_format, topk=step.topk, dtype=dtype),
         "best_path": best_path(paths),
         "max_rel_err": max(errs) if errs and all(e == e for e in errs) else float("nan"),
         "check_tol": tol,

@@ -450,7 +450,7 @@ def test_pad64_baseline_runs_flash_mla_when_installed(monkeypatch):
     assert baselines.pad64_baseline_kind(DEVICE).startswith("sparse_mla:")
     default = baselines.mqa_per_token_pad64(inp, torch.empty(T, H, 256, dtype=DTYPE, device=DEVICE))
     monkeypatch.setattr(baselines, "_flash_mla_module", lambda: types.SimpleNamespace(flash_mla_sparse_fwd=fake_fwd))
-    monkeypatch.setattr(baselines, "pad64_baseline_kind", lambda device: "flash_mla")
+    monkeypatch.setattr(baselines, "pad64_baseline_kind", lambda device, *a, **kw: "flash_mla")
     flash = baselines.mqa_per_token_pad64(inp, torch.empty(T, H, 256, dtype=DTYPE, device=DEVICE))
     assert calls == [((T, 64, 576), (64, 1, 576), (T, 1, 32))]
     assert_rows_close(flash, default, DTYPE, "pad64 through the flash_mla stand-in", LAYER_ROW_TOLERANCE)

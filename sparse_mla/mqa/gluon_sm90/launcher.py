@@ -32,13 +32,14 @@ def _kernel_for(schedule: str):
 
 
 _LAUNCHERS: dict = {}
+_N_ARG = 17  # kv rows N: the one run-time integer that can pass int32 (a cache of 2**31 rows)
 
 
 def _launcher_for(schedule: str) -> LaunchCache:
     kernel = _kernel_for(schedule)
     lc = _LAUNCHERS.get(schedule)
     if lc is None or lc.fn is not kernel:  # tests swap the kernel objects
-        lc = _LAUNCHERS[schedule] = LaunchCache(kernel)
+        lc = _LAUNCHERS[schedule] = LaunchCache(kernel, wide=(_N_ARG, ))
     return lc
 
 
