@@ -136,3 +136,17 @@ def test_layer_stage_windows_packs_adjacent_windows_as_one_slice():
     valid = p.indices >= 0
     moved = torch.where(p.indices >= 30, p.indices - 4, p.indices)
     assert torch.equal(torch.where(valid, s.indices, -1), torch.where(valid, moved, -1))
+
+
+@pytest.mark.parametrize("row0", [0, 5])
+@pytest.mark.parametrize("path", ["mqa_per_token", "mqa_grouped"])
+def test_layer_staged_route_on_adjacent_windows(row0, path):
+    """The packed layout (each window right after the previous one, from row 0 or later): one staged slice, the
+    indices shifted (not remapped); every (token, head) row matches dsa_prefill_ref, out-of-window entries ignored."""
+    inp = layer_inputs(9)
+    idx = inp["indices"]
+    inp["indices"] = torch.where(idx >= 30, idx - 30 + 26 + row0, torch.where(idx >= 0, idx + row0, idx))
+    inp["row_offsets"] = [row0, row0 + 26]
+    inp["indices"][0, -1] = row0 + 30  # a future row of request 0 (outside its window): padding
+    out = dsa_prefill(**inp, path=path, kv_dequant="staged")
+    assert_rows_close(out, dsa_prefill_ref(**inp), DTYPE, f"{path} row0 {row0}", LAYER_ROW_TOLERANCE)

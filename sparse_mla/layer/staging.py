@@ -46,7 +46,9 @@ def stage_windows(p: DSAPrefillProblem) -> DSAPrefillProblem:
 
     Returns:
         a problem with kv_format None, kv rows [sum of windows, r + qk_rope] in q's dtype (a new buffer),
-        row_offsets = where each window starts in it, and remapped int32 indices.
+        row_offsets = where each window starts in it, and int32 indices onto those rows (adjacent windows, the
+        packed layout: the same indices shifted by the first window's row, no pass at all from row 0; others:
+        remapped, entries outside the token's window -1).
 
     Raises:
         ValueError: p has no kv_format (nothing to dequantize).
@@ -58,8 +60,15 @@ def stage_windows(p: DSAPrefillProblem) -> DSAPrefillProblem:
     for L in p.step.windows:
         starts.append(acc)
         acc += L
-    if all(o == p.row_offsets[0] + s for o, s in zip(p.row_offsets, starts)):  # adjacent windows: one slice
-        kv = dequantize_rows(p.kv_rows, p.q_nope.dtype, slice(p.row_offsets[0], p.row_offsets[0] + acc))
+    r = p.step.kv_lora_rank
+    step = dataclasses.replace(p.step, kv_format=None)
+    row0 = p.row_offsets[0]
+    if all(o == row0 + s for o, s in zip(p.row_offsets, starts)):  # adjacent windows: one slice, indices shifted
+        kv = dequantize_rows(p.kv_rows, p.q_nope.dtype, slice(row0, row0 + acc))
+        # an entry outside its token's window stays outside it (the MQA paths pad it: restrict_to_windows)
+        idx = p.indices if row0 == 0 else torch.where(p.indices >= row0, p.indices - row0, -1)
+        return dataclasses.replace(p, kv_c=kv[:, :r], k_pe=kv[:, r:], kv_rows=kv, indices=idx,
+                                   row_offsets=tuple(starts), step=step, kv_format=None)
     else:
         ids = torch.cat([torch.arange(o, o + L, dtype=torch.int32) for o, L in zip(p.row_offsets, p.step.windows)])
         kv = dequantize_rows(p.kv_rows, p.q_nope.dtype, to_device_async(ids, dev))
@@ -71,8 +80,6 @@ def stage_windows(p: DSAPrefillProblem) -> DSAPrefillProblem:
         shift = (to_device_async(start, dev) - lo)[:, None]
     inside = (p.indices >= lo[:, None]) & (p.indices < (lo + win)[:, None])
     idx = torch.where(inside, p.indices + shift, -1).to(torch.int32)
-    r = p.step.kv_lora_rank
-    step = dataclasses.replace(p.step, kv_format=None)
     return dataclasses.replace(p, kv_c=kv[:, :r], k_pe=kv[:, r:], kv_rows=kv, indices=idx, row_offsets=tuple(starts),
                                step=step, kv_format=None)
 
