@@ -10,7 +10,7 @@ dequantization reads, so the result is the definition on the dequantized cache e
 ``choose_kv_dequant`` (plain Python, CPU-tested) is the one rule: stage when the staging's cost (rows staged)
 is below the in-kernel dequantization's extra cost (rows the attention gathers), and the staged rows fit the
 memory the caller allows (``max_staged_bytes``; 0 = never stage). Its constants are H200 measurements:
-docs/notes/fp8-cache.md, results/kv-staging.json.
+docs/notes/default-call.md, results/op-final.json.
 """
 
 from __future__ import annotations
