@@ -28,6 +28,9 @@ from .kv_format import FP8_DS_MLA, KV_DEQUANT_MODES
 INKERNEL_NS_PER_GATHERED_ROW = 0.16
 STAGE_NS_PER_ROW = 1.5
 STAGE_FIXED_NS = 40_000
+# Rows a grouped call gathers, as a multiple of its queries' list rows over G: the rule's estimate (the "mid" lists'
+# union ratio at G = 8, results/op-recon-7c35494.json).
+GROUPED_UNION_RATIO_ESTIMATE = 1.4
 # Staging allocates [rows, 576] of q's dtype per call unless the caller passes a buffer; above this it never stages.
 DEFAULT_MAX_STAGED_BYTES = 4 * 2**30
 
@@ -140,5 +143,5 @@ def dequantize_rows(cache_rows: torch.Tensor, dtype: torch.dtype, rows: torch.Te
     return out
 
 
-__all__ = ["KV_DEQUANT_MODES", "INKERNEL_NS_PER_GATHERED_ROW", "STAGE_NS_PER_ROW", "STAGE_FIXED_NS", "DEFAULT_MAX_STAGED_BYTES",
-           "choose_kv_dequant", "dequantize_rows"]
+__all__ = ["KV_DEQUANT_MODES", "GROUPED_UNION_RATIO_ESTIMATE", "INKERNEL_NS_PER_GATHERED_ROW", "STAGE_NS_PER_ROW",
+           "STAGE_FIXED_NS", "DEFAULT_MAX_STAGED_BYTES", "choose_kv_dequant", "dequantize_rows"]

@@ -13,13 +13,9 @@ import dataclasses
 import torch
 
 from ..kv_format import FP8_DS_MLA
-from ..kv_staging import choose_kv_dequant, dequantize_rows
+from ..kv_staging import GROUPED_UNION_RATIO_ESTIMATE, choose_kv_dequant, dequantize_rows
 from .host import to_device_async
 from .problem import DSAPrefillProblem, causal_sums, token_windows
-
-# Rows a grouped step gathers, as a multiple of its queries' list rows over G (the "mid" lists' union ratio at G = 8;
-# sparse_mla.mqa.interface uses the same estimate).
-GROUPED_UNION_RATIO_ESTIMATE = 1.4
 
 
 def window_rows_total(p: DSAPrefillProblem) -> int:
@@ -84,4 +80,4 @@ def stage_windows(p: DSAPrefillProblem) -> DSAPrefillProblem:
                                step=step, kv_format=None)
 
 
-__all__ = ["GROUPED_UNION_RATIO_ESTIMATE", "choose_route", "stage_windows", "window_rows_total"]
+__all__ = ["choose_route", "stage_windows", "window_rows_total"]

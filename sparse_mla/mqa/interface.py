@@ -15,7 +15,7 @@ import torch
 
 from ..checks import require_kernel_tensor
 from ..kv_format import FP8_DS_MLA
-from ..kv_staging import KV_DEQUANT_MODES, choose_kv_dequant, dequantize_rows
+from ..kv_staging import GROUPED_UNION_RATIO_ESTIMATE, KV_DEQUANT_MODES, choose_kv_dequant, dequantize_rows
 from ..union import backends as union_backends
 from ..union import probe as union_probe
 from ..union.grouping import overlap_guard_ratio
@@ -171,11 +171,6 @@ def sparse_mla_fwd(
         guard = overlap_guard_ratio(G) if overlap_guard == -1.0 else overlap_guard
         _grouped_forward(p, G, ws, out, lse, guard, extras)
     return (out, lse) if return_lse else out
-
-
-# The union rows of a grouped FP8 call, as a multiple of the rows its queries' lists hold over G (the rule's
-# estimate of what the grouped kernel gathers; the "mid" lists' union ratio at G = 8, results/op-recon-*.json).
-GROUPED_UNION_RATIO_ESTIMATE = 1.4
 
 
 def _fp8_route(p: SparseMLAProblem, mode: str, grouped: bool, G: int, workspace, reason: str):
