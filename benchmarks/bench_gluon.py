@@ -1,6 +1,6 @@
 """Attention-kernel benchmark of the Gluon sm_90 backend against the Triton backend (same run, same tensors).
 
-Protocol (KERNEL-NOTES.md "Measured side by side"): T 8192, topk 2048, 32K kv rows, query i takes
+Protocol (docs/notes/attention-gluon.md, FlashMLA figures): T 8192, topk 2048, 32K kv rows, query i takes
 2048 distinct uniform rows of [0, 24576 + i], unsorted; do_bench median, L2 flushed. Per-token at 128 / 64 heads
 (and 32 / 16 for reference); grouped attention alone (union given, built once by the Triton builder) on the
 "mid" synthetic top-k of 16K cached + 8K new tokens at 16 heads (G = 8), 32 heads (G = 4), 8 heads (G = 16).

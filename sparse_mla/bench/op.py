@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-MATMUL_TFLOPS = 790.0  # bf16 dense matmul measured on the H200 (docs/KERNEL-NOTES.md)
+MATMUL_TFLOPS = 790.0  # bf16 dense matmul measured on the H200 (docs/notes/measuring.md)
 COPY_TBPS = 4.3  # device copy measured on the H200
 PAD_HEADS = 64  # FlashMLA's sparse prefill head minimum
 CALLS = ("per_token", "grouped", "auto", "drop_in", "flashmla")

@@ -164,7 +164,7 @@ def block_m_for_heads(num_pseudo_heads: int) -> int:
     return min(64, max(16, triton.next_power_of_2(num_pseudo_heads)))
 
 
-# (BLOCK_N, num_warps, num_stages) per BLOCK_M, measured on the H200 (NOTES-GPU.md, benchmarks/tune_triton.py).
+# (BLOCK_N, num_warps, num_stages) per BLOCK_M, measured on the H200 (docs/notes/attention-triton.md, benchmarks/tune_triton.py).
 LAUNCH_CONFIGS: dict[int, tuple[int, int, int]] = {
     16: (64, 4, 2),
     32: (64, 4, 2),

@@ -5,7 +5,7 @@ the attention kernel does not need them sorted) and a membership word per row (b
 row is in query i's list). Its cost is O(G K) per group, independent of the sequence length: each
 program of a persistent grid owns an open-addressing hash table of 2 * G_P * K_P slots (load
 factor <= 1/2 even with no overlap at all), cleaned by the program after each group. Measured on
-the H200 (NOTES-GPU.md): 3.5 ms for 16K tokens, G = 8, topk 2048, as long as half the grouped
+the H200 (docs/notes/grouping.md): 3.5 ms for 16K tokens, G = 8, topk 2048, as long as half the grouped
 attention itself; tried and slower there: a tl.sort of the G * K keys per group (7.1 ms), and a
 chunked variant with plain-store membership bytes (7.0 ms, and racy).
 """

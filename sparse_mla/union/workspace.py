@@ -17,7 +17,7 @@ from . import probe as union_probe
 from .grouping import MAX_GROUP_SIZE, default_group_size
 from .triton_tl import hash_table_slots
 
-# Union builder programs per SM (each holds one hash table): NOTES-GPU.md, benchmarks/tune_triton.py.
+# Union builder programs per SM (each holds one hash table): docs/notes/grouping.md, benchmarks/tune_triton.py.
 UNION_PROGRAMS_PER_SM = 2
 
 

@@ -37,7 +37,7 @@ lands each row's 64 bf16 RoPE values by cp.async and dequantizes the 512 e4m3 No
 16-byte loads, the hardware e4m3 -> f16x2 conversion, x the row's fp32 tile scale, rounded to bf16, st.shared into
 the same ring), so the consumers are unchanged; ``FP8_PRODUCER_REGS`` registers per producer thread. Measured on the
 H200 it is ~1.7x faster than the Triton kernel's FP8 gather but runs at ~0.8x of the split kernel on a bf16 cache
-and ~0.65x of the default pair kernel there (NOTES-GPU.md: the producer's extra traffic through the SM's L1 /
+and ~0.65x of the default pair kernel there (docs/notes/fp8-cache.md: the producer's extra traffic through the SM's L1 /
 shared-memory path competes with the consumers' shared-memory-bound Q.K^T).
 
 Shared memory (bf16/fp16, D_qk 576): Q 72 KB + 2 tiles x 72 KB + P / row-stat buffers = 231,168 B (pair) or

@@ -13,7 +13,7 @@ BLOCK_N = 64  # kv rows per tile
 D_V = 512
 D_PE = 64
 
-# Launch configuration (measured on the H200: NOTES-GPU.md). Split: the default partition is the two consumer
+# Launch configuration (measured on the H200: docs/notes/attention-gluon.md). Split: the default partition is the two consumer
 # warpgroups (8 warps), the producer worker gets PRODUCER_REGS registers per thread. Pair: the default partition is
 # the 4-warp producer, each consumer warpgroup a worker with PAIR_CONSUMER_REGS.
 CONSUMER_WARPS = 8
