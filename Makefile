@@ -16,14 +16,16 @@ GLUON_TRITON_DIR ?= .cache/triton-gluon
 install-torch:
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0
 
+# An offline machine that already has the dependencies (the H200 image) gets the package alone.
 install: install-torch
-	@$(PYTHON) -m pip install -q -e '.[test]'
+	@$(PYTHON) -m pip install -q -e '.[test]' || $(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
 
 install-bench: install-torch
 	@$(PYTHON) -m pip install -q -e '.[bench]'
 
+# A machine whose own Triton is that version (the H200 image) compiles with it: GLUON_TRITON_DIR points there.
 gluon-triton:
-	@test -f $(GLUON_TRITON_DIR)/triton/__init__.py || $(PYTHON) -m pip install -q --no-deps --target $(GLUON_TRITON_DIR) triton==$(GLUON_TRITON)
+	@test -f $(GLUON_TRITON_DIR)/triton/__init__.py || $(PYTHON) -c "import sys, triton; sys.exit(triton.__version__ != '$(GLUON_TRITON)')" 2>/dev/null || $(PYTHON) -m pip install -q --no-deps --target $(GLUON_TRITON_DIR) triton==$(GLUON_TRITON)
 
 test: install gluon-triton
 	GLUON_TRITON_DIR=$(abspath $(GLUON_TRITON_DIR)) $(PYTHON) -m pytest $(PYTEST_ARGS)
