@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .kv_format import FP8_DS_MLA, KV_DEQUANT_MODES
+from .launch_cache import LaunchCache
 
 # H200, bf16 q, D_qk 576: dequantizing in the gather adds about 0.16 ns per gathered row on the per-token path (6.45
 # vs 3.87 ms for 8192 x 2048 rows at 16 heads; results/fp8-route-probe.json) and 0.38 ns per union row on the grouped
@@ -136,11 +137,17 @@ def dequantize_rows(cache_rows: torch.Tensor, dtype: torch.dtype, rows: torch.Te
     if n == 0:
         return out
     BLOCK_R = 8
-    _dequant_rows_kernel[(triton.cdiv(n, BLOCK_R), )](
-        src, ids if ids is not None else src, n, out, src.stride(0), out.stride(0), HAS_IDS=ids is not None,
-        BLOCK_R=BLOCK_R, NOPE=fmt.kv_lora_rank, TILE=fmt.tile_size, ROPE=fmt.qk_rope_head_dim,
-        SCALE_OFFSET=fmt.scale_offset, ROPE_OFFSET=fmt.rope_offset, num_warps=4)
+    _DEQUANT((dtype, ids is not None), (triton.cdiv(n, BLOCK_R), ),
+             (src, ids if ids is not None else src, n, out, src.stride(0), out.stride(0)),
+             dict(HAS_IDS=ids is not None, BLOCK_R=BLOCK_R, NOPE=fmt.kv_lora_rank, TILE=fmt.tile_size,
+                  ROPE=fmt.qk_rope_head_dim, SCALE_OFFSET=fmt.scale_offset, ROPE_OFFSET=fmt.rope_offset),
+             dict(num_warps=4))
     return out
+
+
+# The key: the destination dtype and HAS_IDS (which also fixes row_ids' dtype); the integers are not specialized;
+# the pointers' alignment joins the key.
+_DEQUANT = LaunchCache(namespace=globals(), name="_dequant_rows_kernel", align=(0, 1, 3))
 
 
 __all__ = ["KV_DEQUANT_MODES", "GROUPED_UNION_RATIO_ESTIMATE", "INKERNEL_NS_PER_GATHERED_ROW", "STAGE_NS_PER_ROW",

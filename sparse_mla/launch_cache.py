@@ -15,10 +15,25 @@ is installed (profilers), and when ``ENABLED`` is false.
 
 from __future__ import annotations
 
+import threading
+
 from .env import interpreted
 
 ENABLED = True  # False: every launch goes through the JIT (A/B of the host path)
 CHECKED = False  # tests: verify on every launch that the key names the variant Triton would launch
+
+_STATE = threading.local()
+
+
+def recorder():
+    """The launch recorder of the call being recorded on this thread (``sparse_mla.call_cache``), or None.
+    ``LaunchCache`` and the CUDA union builder report their launches to it; with ``recorder().dry`` they report
+    without launching."""
+    return getattr(_STATE, "recorder", None)
+
+
+def set_recorder(rec) -> None:
+    _STATE.recorder = rec
 
 
 def _hooked(hook) -> bool:
@@ -63,6 +78,14 @@ class LaunchCache:
         """
         options = options or {}
         fn = self.fn
+        rec = recorder()
+        if rec is not None:
+            if self._trailing is None:
+                self._trailing = tuple(fn.arg_names[len(args):])
+            rest = tuple(constexprs[n] if n in constexprs else options[n] for n in self._trailing)
+            kernel = None if rec.dry else fn[grid](*args, **constexprs, **options)
+            rec.triton(fn, kernel, (tuple(grid) + (1, 1))[:3], tuple(args) + rest)
+            return
         from triton import knobs
 
         hooks = _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook)

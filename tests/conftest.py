@@ -14,6 +14,18 @@ if not HAS_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+@pytest.fixture(autouse=True)
+def _replays_checked(monkeypatch):
+    """On a GPU every warm call's replay (``sparse_mla.call_cache``) is held to its full path: CHECKED re-runs the
+    full path without launching and raises if its launches differ. Each test starts with no plans, so a test's
+    patches of selection rules or kernels are seen by its first call of each shape."""
+    if HAS_CUDA:
+        from sparse_mla import call_cache
+
+        call_cache.invalidate()
+        monkeypatch.setattr(call_cache, "CHECKED", True)
+
+
 @pytest.fixture(params=["triton", pytest.param("cuda_smem", marks=pytest.mark.gpu)])
 def union_backend(request, monkeypatch) -> str:
     """Forces ``build_group_union`` / ``sparse_mla_fwd`` onto one union builder (SPARSE_MLA_UNION_BACKEND):

@@ -17,12 +17,36 @@ The semantics are ``sparse_mla.mqa.reference`` with one convention changed: lse 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
+from ..call_cache import replayed
 from ..kv_format import looks_like_fp8_ds_mla
+from ..launch_cache import LaunchCache
 from .interface import sparse_mla_fwd
 from .reference import sparse_mla_ref
 
 _INF = float("inf")
+
+
+@triton.jit(do_not_specialize=["n"])
+def _lse_empty_to_pos_inf_kernel(LSE, n, BLOCK: tl.constexpr):
+    """lse[i] = +inf where lse[i] = -inf (FlashMLA's convention for a query with no valid index), in place."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(LSE + offs, mask=m, other=0.0)
+    tl.store(LSE + offs, tl.where(x == float("-inf"), float("inf"), x), mask=m)
+
+
+_LSE_FIX = LaunchCache(namespace=globals(), name="_lse_empty_to_pos_inf_kernel", align=(0, ))
+_LSE_BLOCK = 1024
+
+
+def _lse_flashmla_convention(lse: torch.Tensor) -> None:
+    """In place on the contiguous fp32 lse ``sparse_mla_fwd`` allocated: -inf -> +inf, one launch."""
+    n = lse.numel()
+    if n:
+        _LSE_FIX((), (triton.cdiv(n, _LSE_BLOCK), ), (lse, n), dict(BLOCK=_LSE_BLOCK))
 
 
 def _flashmla_layout(q: object, kv: object, indices: object) -> torch.Tensor:
@@ -51,6 +75,7 @@ def _flashmla_layout(q: object, kv: object, indices: object) -> torch.Tensor:
     return kv[:, 0]
 
 
+@replayed(written=("out", ))
 def flash_mla_sparse_fwd(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -124,7 +149,7 @@ def flash_mla_sparse_fwd(
     max_logits = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
     out, lse = sparse_mla_fwd(q, rows, indices, sm_scale, d_v=d_v, topk_length=topk_length, return_lse=True,
                               attn_sink=attn_sink, max_logits=max_logits, out=out)
-    lse.masked_fill_(lse == -_INF, _INF)  # FlashMLA: +inf for a query with no valid index
+    _lse_flashmla_convention(lse)  # FlashMLA: +inf for a query with no valid index
     return out, max_logits, lse
 
 

@@ -13,6 +13,7 @@ import logging
 
 import torch
 
+from ..call_cache import replayed
 from ..checks import require_kernel_tensor
 from ..kv_format import FP8_DS_MLA
 from ..kv_staging import GROUPED_UNION_RATIO_ESTIMATE, KV_DEQUANT_MODES, choose_kv_dequant, dequantize_rows
@@ -29,6 +30,7 @@ from .triton_tl import D_V
 logger = logging.getLogger("sparse_mla")
 
 
+@replayed(written=("out", "lse", "max_logits"))
 def sparse_mla_fwd(
     q: torch.Tensor,
     kv: torch.Tensor,

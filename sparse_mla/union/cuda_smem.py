@@ -38,6 +38,8 @@ from pathlib import Path
 
 import torch
 
+from ..launch_cache import recorder
+
 SOURCE_PATH = Path(__file__).with_name("cuda_smem.cu")
 KERNEL_NAME = "sparse_mla_union_smem"
 
@@ -208,15 +210,30 @@ def get_kernel(device_index: int, options: tuple[str, ...] | None = None):
 
 def _stream(device: torch.device):
     """torch's current stream on ``device`` as a CuPy stream object (cached per raw handle)."""
-    ptr = torch.cuda.current_stream(device).cuda_stream
-    key = (device.index, ptr)
+    return stream_for(device.index, torch.cuda.current_stream(device).cuda_stream)
+
+
+def replay_launch(kern, device_index: int, grid: tuple, block: tuple, smem: int, args: tuple, stream_ptr: int) -> None:
+    """A recorded launch of ``build_union`` again, with ``args`` rebased (``sparse_mla.call_cache``), on the raw
+    stream ``stream_ptr``."""
+    stream = stream_for(device_index, stream_ptr)
+    if torch.cuda.current_device() == device_index:
+        kern(grid, block, args, shared_mem=smem, stream=stream)
+    else:
+        with _cupy().cuda.Device(device_index):
+            kern(grid, block, args, shared_mem=smem, stream=stream)
+
+
+def stream_for(device_index: int, ptr: int):
+    """The CuPy stream object of the raw stream handle ``ptr`` on device ``device_index`` (cached)."""
+    key = (device_index, ptr)
     s = _STREAMS.get(key)
     if s is None:
         cp = _cupy()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)  # CuPy 14 prefers Stream.from_external
             try:
-                s = cp.cuda.ExternalStream(ptr, device.index)
+                s = cp.cuda.ExternalStream(ptr, device_index)
             except TypeError:  # CuPy < 12: no device_id argument
                 s = cp.cuda.ExternalStream(ptr)
         _STREAMS[key] = s
@@ -332,6 +349,12 @@ def build_union(
     if cfg.grid == 0:
         return cfg.plan
     kern = get_kernel(idx, compile_options(threads, 2048 // threads if threads >= 512 else 1, unroll))
+    rec = recorder()
+    if rec is not None:  # a call being recorded (sparse_mla.call_cache): the pointer arguments' tensors name them
+        pointers = (indices, topk_length, group_start, group_len, route, rows, bits, union_len)
+        rec.cupy(replay_launch, kern, idx, (cfg.grid, ), (cfg.block, ), cfg.smem_bytes, cfg.args, pointers)
+        if rec.dry:
+            return cfg.plan
     stream = _stream(torch.device("cuda", idx))
     if torch.cuda.current_device() == idx:
         kern((cfg.grid,), (cfg.block,), cfg.args, shared_mem=cfg.smem_bytes, stream=stream)

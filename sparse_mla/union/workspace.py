@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from .. import call_cache
 from ..kv_format import FP8_DS_MLA
+from ..launch_cache import recorder
 from . import probe as union_probe
 from .grouping import MAX_GROUP_SIZE, default_group_size
 from .triton_tl import hash_table_slots
@@ -47,6 +49,7 @@ class SparseMLAWorkspace:
     group_size: int
     max_kv_rows: int
     device: torch.device
+    replay_by_identity = True  # sparse_mla.call_cache keys a call by this object and replays with its buffers
 
     def __post_init__(self) -> None:
         if not 1 <= self.group_size <= MAX_GROUP_SIZE:
@@ -88,6 +91,8 @@ class SparseMLAWorkspace:
             return None
         buf = getattr(self, "_staging", None)
         if buf is None or buf.dtype != dtype:
+            if recorder() is not None:  # a recorded call must not take this buffer for one of its own allocations
+                recorder().fail("the workspace's staging buffer is allocated in this call")
             buf = self._staging = torch.empty(self.max_kv_rows, FP8_DS_MLA.d_qk, dtype=dtype, device=torch.device(self.device))
         return buf[:num_rows]
 
@@ -149,9 +154,11 @@ def cached_workspace(num_tokens: int, topk: int, group_size: int, num_kv_rows: i
     capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
     if not capturing:
         _CACHE[key] = ws
+        call_cache.invalidate()  # replay plans hold the replaced workspace's buffers
     return ws
 
 
 def clear_workspace_cache() -> None:
     """Release the default call's cached workspaces (their memory returns to torch's caching allocator)."""
     _CACHE.clear()
+    call_cache.invalidate()

@@ -1,6 +1,7 @@
 """The host path on a GPU: the launch cache launches the variant Triton's JIT would (``launch_cache.CHECKED``) with
-the same results; no call synchronizes the host with the device; the default grouped call can be captured in a
-CUDA graph once its workspace is cached."""
+the same results; a warm call's replay (``sparse_mla.call_cache``) computes the full path's bits on fresh tensors;
+no call synchronizes the host with the device; the default grouped call can be captured in a CUDA graph once its
+workspace is cached."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from testlib.problems import neighbour_rows
 from testlib.tolerances import assert_rows_close
 
 import sparse_mla
-from sparse_mla import launch_cache
+from sparse_mla import call_cache, launch_cache
+from sparse_mla.kv_format import FP8_DS_MLA
 from sparse_mla.mqa import selection
 from sparse_mla.mqa.selection import NEVER, GroupingRule
 
@@ -53,6 +55,51 @@ def test_launch_cache_launches_what_the_jit_would(name, monkeypatch):
     fn()
     torch.cuda.synchronize()
     assert torch.equal(fast, jit), "the direct launch must compute the same bits as the JIT's"
+
+
+REPLAYED = ["per_token", "grouped", "auto", "drop_in", "out_given", "fp8_staged", "fp8_in_kernel", "fp8_auto"]
+
+
+def _replay_calls(q, kv, idx):
+    calls = _calls(q, kv, idx)
+    T, H = q.shape[:2]
+    out = torch.full((T, H, 512), float("nan"), dtype=q.dtype, device="cuda")
+    lse = torch.full((T, H), float("nan"), device="cuda")
+    cache = FP8_DS_MLA.quantize(kv)
+    sink = torch.randn(H, device="cuda")
+    calls.update({
+        "out_given": lambda: sparse_mla.sparse_mla_fwd(q, kv, idx, 0.05, out=out, lse=lse, return_lse=True)[0],
+        "fp8_staged": lambda: sparse_mla.sparse_mla_fwd(q, cache, idx, 0.05, kv_format="fp8_ds_mla", kv_dequant="staged"),
+        "fp8_in_kernel": lambda: sparse_mla.sparse_mla_fwd(q, cache, idx, 0.05, kv_format="fp8_ds_mla",
+                                                           kv_dequant="in_kernel", attn_sink=sink),
+        "fp8_auto": lambda: sparse_mla.sparse_mla_fwd(q, cache, idx, 0.05, kv_format="fp8_ds_mla"),
+    })
+    return calls
+
+
+@pytest.mark.parametrize("name", REPLAYED)
+def test_warm_calls_replay_the_full_paths_bits(name, monkeypatch):
+    """The first call of a shape records, later ones (fresh tensors at other addresses, outputs poisoned) replay:
+    bitwise the full path's result (call_cache off), per row the fp32 reference's; CHECKED (conftest) also re-runs
+    the full path dry on each replay and compares the launches."""
+    monkeypatch.setattr(selection, "GROUPING_RULES", GROUP_FROM_8)
+    wrapper = sparse_mla.flash_mla_sparse_fwd if name == "drop_in" else sparse_mla.sparse_mla_fwd
+    for seed in (3, 4, 5):
+        q, kv, idx = _inputs(seed=seed)
+        fn = _replay_calls(q, kv, idx)[name]
+        monkeypatch.setattr(call_cache, "ENABLED", False)
+        full = fn().clone()
+        monkeypatch.setattr(call_cache, "ENABLED", True)
+        warm = fn()
+        torch.cuda.synchronize()
+        assert torch.equal(warm, full), f"seed {seed}: the replay must compute the full path's bits"
+        if name in ("per_token", "out_given", "grouped", "auto"):
+            lens = None if name != "grouped" else torch.full((q.shape[0],), idx.shape[1] - 3, dtype=torch.int32,
+                                                             device="cuda")
+            ref, _ = sparse_mla.sparse_mla_ref(q, kv, idx, 0.05, topk_length=lens)
+            assert_rows_close(warm, ref, torch.bfloat16, f"{name} replay, seed {seed}")
+    plans = [p for p in wrapper.plans.values() if isinstance(p, call_cache._Plan)]
+    assert plans, f"{name}: the warm calls were not replayed (plans: {list(wrapper.plans.values())})"
 
 
 @pytest.mark.parametrize("name", ["per_token", "grouped", "auto", "drop_in"])
