@@ -18,7 +18,7 @@ import torch
 
 import sparse_mla
 from sparse_mla import launch_cache
-from sparse_mla.bench.op import OpCase, case_inputs, flashmla_module, host_time_us, provenance
+from sparse_mla.bench.op import OpCase, case_inputs, flashmla_module, host_time_us, provenance, replay_status
 
 
 def calls_for(T: int, H: int) -> dict:
@@ -133,11 +133,13 @@ def main() -> int:
             launch_cache.ENABLED = True
             row["profile"] = profile(fn, sort=args.sort, lines=args.lines)
             rows.append(row)
-            print(f"T {T:5d} H {H:3d} {name:28s} host {row['host_us']:7.1f} us (JIT launches {row['host_us_jit']:7.1f})",
+            print(f"T {T:5d} H {H:3d} {name:28s} host {row['host_us']:7.1f} us (no replay, JIT launches {row['host_us_jit']:7.1f})",
                   flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"meta": {**provenance(), "kind": "host_profile", "date_s": time.time()}, "rows": rows}, f, indent=1)
+            json.dump({"meta": {**provenance(), "kind": "host_profile", "date_s": time.time(), "replay": replay_status()},
+                       "rows": rows}, f, indent=1)
+    print("replay:", json.dumps(replay_status()))
     return 0
 
 

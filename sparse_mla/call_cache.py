@@ -49,7 +49,14 @@ MAX_PLANS = 1024  # plans per function; the oldest is dropped past it
 logger = logging.getLogger("sparse_mla")
 
 _ENV_NAMES = tuple(sorted({s.name for s in env.SWITCHES} | {"TRITON_INTERPRET"}))
-_NEVER = object()  # a key whose recordings failed MAX_ATTEMPTS times
+
+
+@dataclass
+class _Failed:
+    """A key whose recordings failed ``count`` times, the last for ``reason``."""
+
+    count: int
+    reason: str
 _GENERATION = [0]  # bumped by ``invalidate``; part of every key
 
 
@@ -381,7 +388,7 @@ def replayed(written: tuple[str, ...] = ()):
             except _Unkeyable:
                 return fn(*args, **kwargs)
             plan = plans.get(key)
-            if plan is _NEVER:
+            if type(plan) is _Failed and plan.count >= MAX_ATTEMPTS:
                 return fn(*args, **kwargs)
             if isinstance(plan, _Plan):
                 ptrs = [t.data_ptr() for t in tensors]
@@ -399,9 +406,7 @@ def replayed(written: tuple[str, ...] = ()):
                 new = _plan_from(rec, tensors, written_idx, result)
                 new.keep.extend(a for a in list(args) + list(kwargs.values()) if getattr(a, "replay_by_identity", False))
             except _Unkeyable as exc:
-                fails = (plan or 0) + 1
-                plans[key] = _NEVER if fails >= MAX_ATTEMPTS else fails
-                logger.debug("%s: not replayable (%s)", fn.__name__, exc)
+                plans[key] = _Failed((plan.count if plan is not None else 0) + 1, str(exc))
                 return result
             if len(plans) >= MAX_PLANS:
                 plans.pop(next(iter(plans)))
@@ -438,4 +443,12 @@ def _check(plan: _Plan, fn, args, kwargs, tensors) -> None:
                            f"({rec.reason or 'launches differ'}):\nplan {plan.signature}\nfull {sig}")
 
 
-__all__ = ["ENABLED", "CHECKED", "MAX_ATTEMPTS", "replayed", "invalidate"]
+def status(fn) -> dict:
+    """What ``fn`` (a ``replayed`` function) holds: {"replayed": keys with a plan, "not_replayable": the reasons
+    of the keys whose recordings failed (the full path runs for them)}."""
+    plans = fn.plans.values()
+    return {"replayed": sum(isinstance(p, _Plan) for p in plans),
+            "not_replayable": [p.reason for p in plans if isinstance(p, _Failed)]}
+
+
+__all__ = ["ENABLED", "CHECKED", "MAX_ATTEMPTS", "replayed", "invalidate", "status"]

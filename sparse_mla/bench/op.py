@@ -468,6 +468,14 @@ SUITES = {"grouped": _grouped, "nooverlap": _nooverlap, "protocol": _protocol, "
           "mixed": _mixed, "fp8": _fp8, "sweep": _sweep}
 
 
+def replay_status() -> dict:
+    """Which warm calls replayed their recorded launches (``sparse_mla.call_cache.status``), per entry point."""
+    from .. import call_cache, flash_mla_sparse_fwd, sparse_mla_fwd
+
+    return {"sparse_mla_fwd": call_cache.status(sparse_mla_fwd),
+            "flash_mla_sparse_fwd": call_cache.status(flash_mla_sparse_fwd)}
+
+
 def provenance() -> dict:
     from .report import git_revision, package_version
 
@@ -504,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{case.name:42s} {cells}", flush=True)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"meta": provenance(), "rows": rows}, f, indent=1)
+                json.dump({"meta": {**provenance(), "replay": replay_status()}, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .. import env
+from ..launch_cache import LaunchCache
 
 
 @triton.jit
@@ -191,11 +192,17 @@ def build_union(
         return
     g_p, k_p = triton.next_power_of_2(group_size), triton.next_power_of_2(K)
     slots = tables.shape[1]
-    _build_union_kernel[(min(tables.shape[0], num_groups),)](
+    constexprs = dict(G_P=g_p, K_P=k_p, LOG_S=slots.bit_length() - 1, BLOCK_C=1024,
+                      HAS_TOPK_LEN=topk_length is not None, GUARD=guard_ratio is not None, PRED_CAS=pred)
+    options = dict(num_warps=union_num_warps(group_size, K))
+    s_it, s_rg = indices.stride(0), rows.stride(0)
+    # the key: constexprs, options, and the specialization (== 1, % 16) of the specialized integers
+    key = (*constexprs.values(), options["num_warps"],
+           *((v == 1, v % 16 == 0) for v in (s_it, s_rg, num_kv_rows, K)))
+    _BUILD((key, ), (min(tables.shape[0], num_groups), ), (
         indices, topk_length if topk_length is not None else indices, group_start, group_len, route,
-        tables, table_bits, rows, bits, union_len,
-        indices.stride(0), rows.stride(0), num_kv_rows, K, num_groups, float(guard_ratio or 0.0),
-        G_P=g_p, K_P=k_p, LOG_S=slots.bit_length() - 1, BLOCK_C=1024,
-        HAS_TOPK_LEN=topk_length is not None, GUARD=guard_ratio is not None,
-        PRED_CAS=pred, num_warps=union_num_warps(group_size, K),
-    )
+        tables, table_bits, rows, bits, union_len, s_it, s_rg, num_kv_rows, K, num_groups, float(guard_ratio or 0.0)),
+        constexprs, options)
+
+
+_BUILD = LaunchCache(namespace=globals(), name="_build_union_kernel", align=tuple(range(10)), wide=(12, ))
