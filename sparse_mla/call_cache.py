@@ -24,7 +24,8 @@ A call is recorded again on its next call when a recording fails (a first call t
 state), and never after ``MAX_ATTEMPTS`` failures. Off (the full path runs every time): ``ENABLED = False``, under
 TRITON_INTERPRET=1, while a Triton launch hook is installed (profilers), with debug logging of the ``sparse_mla``
 logger on, with ``launch_cache.ENABLED`` false, and for arguments it cannot key (tensor subclasses, unhashable
-values). ``CHECKED`` (the GPU tests set it): every replay first re-runs the full path without launching and raises
+values). A program that changes a module-level rule at run time (``sparse_mla.mqa.selection.GROUPING_RULES``, a
+backend's table) calls ``invalidate()`` after it. ``CHECKED`` (the GPU tests set it): every replay first re-runs the full path without launching and raises
 if its launches differ from the plan's.
 """
 

@@ -80,6 +80,10 @@ class LaunchCache:
         fn = self.fn
         rec = recorder()
         if rec is not None:
+            if not hasattr(fn, "arg_names"):  # a stand-in for a kernel (tests): launched, but never replayed
+                rec.fail(f"{getattr(fn, '__name__', fn)} is not a Triton kernel")
+                fn[grid](*args, **constexprs, **options)
+                return
             if self._trailing is None:
                 self._trailing = tuple(fn.arg_names[len(args):])
             rest = tuple(constexprs[n] if n in constexprs else options[n] for n in self._trailing)
