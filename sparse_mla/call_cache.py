@@ -25,8 +25,8 @@ state), and never after ``MAX_ATTEMPTS`` failures. Off (the full path runs every
 TRITON_INTERPRET=1, while a Triton launch hook is installed (profilers), with debug logging of the ``sparse_mla``
 logger on, with ``launch_cache.ENABLED`` false, and for arguments it cannot key (tensor subclasses, unhashable
 values). A program that changes a module-level rule at run time (``sparse_mla.mqa.selection.GROUPING_RULES``, a
-backend's table) calls ``invalidate()`` after it. ``CHECKED`` (the GPU tests set it): every replay first re-runs the full path without launching and raises
-if its launches differ from the plan's.
+backend's table) calls ``invalidate()`` after it. ``CHECKED`` (the GPU tests set it): every replay first re-runs
+the full path without launching and raises if its launches differ from the plan's.
 """
 
 from __future__ import annotations
