@@ -13,14 +13,24 @@ from testlib.paths import REPO
 BENCH_EXTRA = ("typer", "click", "rich", "tqdm", "safetensors", "matplotlib")  # pyproject.toml `bench` (+ typer's click)
 
 SCRIPT = """
-import importlib, importlib.abc, os, pkgutil, sys
+import importlib, importlib.abc, importlib.util, os, pkgutil, sys
 BLOCKED = set(sys.argv[1].split(","))
 
 
+class Refuse(importlib.abc.Loader):
+    def create_module(self, spec):
+        raise ModuleNotFoundError(f"No module named {spec.name!r} (blocked: not a core dependency)", name=spec.name)
+
+    def exec_module(self, module):
+        pass
+
+
+# An import of a blocked module fails; a find_spec probe of one (torch._dynamo's skip rules probe tqdm) gets a spec
+# without origin, which the prober ignores.
 class Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] in BLOCKED:
-            raise ModuleNotFoundError(f"No module named {name!r} (blocked: not a core dependency)", name=name)
+            return importlib.util.spec_from_loader(name, Refuse())
 
 
 sys.meta_path.insert(0, Block())

@@ -5,8 +5,7 @@ Per case (``OpCase``: heads H, lists, cached + new tokens, topk, d_qk, features)
 sampled tokens, then timed (``sparse_mla.bench.timing``: do_bench medians, L2 flushed):
 
 * ``per_token`` / ``grouped``: ``sparse_mla_fwd(method=...)`` with a preallocated workspace and outputs;
-* ``auto``: the default ``sparse_mla_fwd`` call (method "auto", no workspace: the package's own cached one), into a
-  preallocated ``out=`` like the forced calls (what is compared is the method);
+* ``auto``: the default ``sparse_mla_fwd`` call (no workspace: the package's cached one), into a preallocated ``out=``;
 * ``drop_in``: ``sparse_mla.flash_mla_sparse_fwd``, FlashMLA's call (no cu_seqlens_q);
 * ``flashmla``: FlashMLA's SM90 sparse prefill (``benchmarks/flashmla/build.py``; module ``flashmla_sm90`` or a
   ``flash_mla`` package) on q zero-padded to 64 heads when H < 64 (what Hopper engines run), on q itself at 64 /
@@ -21,8 +20,8 @@ window per query, ``topk_length`` given).
 Figures per call: ``ms`` (median), ``tflops`` (useful FLOPs 2 H sum(valid) (d_qk + 512) over the time),
 ``floor_ms`` (of the path the call ran: per token max(useful FLOPs / 790 TFLOP/s, gathered bytes / 4.3 TB/s);
 grouped the same over the union rows at 128 pseudo-heads), ``max_row_err`` (max over sampled (token, head) rows
-of |out - ref| / |ref|), ``vs_flashmla`` (the baseline's time over this call's), and with ``host=True`` ``host_us``:
-CPU time per call of back-to-back calls while the GPU is kept busy (launch queueing cannot hide it).
+of |out - ref| / |ref|), ``vs_flashmla`` (the baseline's time over this call's), with ``host=True`` ``host_us`` (CPU
+time per call of back-to-back calls, the GPU kept busy); the JSON's meta holds ``replay_status()``.
 """
 
 from __future__ import annotations
@@ -339,9 +338,8 @@ def check_rows(out: torch.Tensor, inp: dict, sample: torch.Tensor) -> float:
 
 
 def host_time_us(fn, calls: int = 40) -> float:
-    """CPU microseconds per call of ``calls`` back-to-back calls while the GPU is kept busy by a sleep kernel queued
-    first (so the calls' host work is what is measured, not the queue). ``calls`` stays small enough that their
-    launches (up to ~8 each) fit CUDA's launch queue: a full queue would block the host and count the sleep."""
+    """CPU microseconds per call of ``calls`` back-to-back calls while a sleep kernel queued first keeps the GPU busy
+    (the host work is measured, not the queue); few enough calls that their launches fit CUDA's launch queue."""
     torch.cuda.synchronize()
     torch.cuda._sleep(int(1e9))  # ~0.5 s of GPU cycles ahead of the calls
     t0 = time.perf_counter()
@@ -469,11 +467,10 @@ SUITES = {"grouped": _grouped, "nooverlap": _nooverlap, "protocol": _protocol, "
 
 
 def replay_status() -> dict:
-    """Which warm calls replayed their recorded launches (``sparse_mla.call_cache.status``), per entry point."""
+    """``sparse_mla.call_cache.status`` of both entry points: which warm calls replayed, and why the others not."""
     from .. import call_cache, flash_mla_sparse_fwd, sparse_mla_fwd
 
-    return {"sparse_mla_fwd": call_cache.status(sparse_mla_fwd),
-            "flash_mla_sparse_fwd": call_cache.status(flash_mla_sparse_fwd)}
+    return {f.__name__: call_cache.status(f) for f in (sparse_mla_fwd, flash_mla_sparse_fwd)}
 
 
 def provenance() -> dict:
