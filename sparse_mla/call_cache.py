@@ -445,11 +445,14 @@ def _check(plan: _Plan, fn, args, kwargs, tensors) -> None:
 
 
 def status(fn) -> dict:
-    """What ``fn`` (a ``replayed`` function) holds: {"replayed": keys with a plan, "not_replayable": the reasons
-    of the keys whose recordings failed (the full path runs for them)}."""
+    """What ``fn`` (a ``replayed`` function) holds: {"replayed": keys with a plan, "not_replayable": the reasons of
+    the keys whose recordings failed ``MAX_ATTEMPTS`` times (the full path runs for them), "retrying": the reasons of
+    those that failed fewer times (a first call that allocated lasting state records again on its next call)}."""
     plans = fn.plans.values()
+    failed = [p for p in plans if isinstance(p, _Failed)]
     return {"replayed": sum(isinstance(p, _Plan) for p in plans),
-            "not_replayable": [p.reason for p in plans if isinstance(p, _Failed)]}
+            "not_replayable": [p.reason for p in failed if p.count >= MAX_ATTEMPTS],
+            "retrying": [p.reason for p in failed if p.count < MAX_ATTEMPTS]}
 
 
 __all__ = ["ENABLED", "CHECKED", "MAX_ATTEMPTS", "replayed", "invalidate", "status"]
