@@ -14,26 +14,35 @@ What a recording holds is checked when it is made; a call that cannot be replaye
 
 * every torch operation the call runs is seen (a ``TorchDispatchMode``): views and ``empty`` allocations are
   replayed, anything else (a copy, a fill, a read of device data) makes the call not replayable;
-* every Triton launch is counted (a launch-enter hook) and must have been reported by ``LaunchCache``; the CUDA
-  union builder reports its CuPy launches;
+* every Triton launch of the recording thread is counted (a launch-enter hook, which ``LaunchCache`` does not take
+  for a profiler's) and must have been reported by ``LaunchCache``; the CUDA union builder reports its CuPy launches;
 * each pointer argument is attributed to one of the call's tensors (an offset into it), to one of its allocations,
-  or to a tensor that outlives the call (a workspace buffer; the plan keeps a reference);
+  or to a tensor that outlives the call (a workspace buffer or placeholder, in no call tensor's storage; the plan
+  keeps a reference); a call whose tensors share memory is not recorded (the key does not say how they alias);
 * the result is the call's own tensors or its allocations.
 
-A call is recorded again on its next call when a recording fails (a first call that creates lazily allocated
-state), and never after ``MAX_ATTEMPTS`` failures. Off (the full path runs every time): ``ENABLED = False``, under
+A workspace argument is keyed by a token of its object; when the object is freed, its plans (which hold its
+buffers) are dropped. At most ``MAX_PLANS`` keys per function are kept, the oldest dropped first.
+
+A call is recorded again on its next call when a recording fails (a first call that creates lazily allocated state),
+and never after ``MAX_ATTEMPTS`` failures. Off (the full path runs every time): ``ENABLED = False``, under
 TRITON_INTERPRET=1, while a Triton launch hook is installed (profilers), with debug logging of the ``sparse_mla``
-logger on, with ``launch_cache.ENABLED`` false, and for arguments it cannot key (tensor subclasses, unhashable
-values). A program that changes a module-level rule at run time (``sparse_mla.mqa.selection.GROUPING_RULES``, a
-backend's table) calls ``invalidate()`` after it. ``CHECKED`` (the GPU tests set it): every replay first re-runs
-the full path without launching and raises if its launches differ from the plan's.
+logger on, with ``launch_cache.ENABLED`` false, and for arguments it cannot key (tensor subclasses but
+``nn.Parameter``, non-strided tensors, unhashable values). A program that changes a module-level rule at run time
+(``sparse_mla.mqa.selection.GROUPING_RULES``, a backend's table) calls ``invalidate()`` after it. ``CHECKED`` (the
+GPU tests set it): every replay first re-runs the full path without launching and raises if its launches differ from
+the plan's.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import itertools
 import logging
 import os
+import threading
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,6 +74,26 @@ class _Unkeyable(Exception):
     pass
 
 
+_TOKENS = itertools.count(1)
+
+
+def _workspace_token(ws) -> int:
+    """A key for a workspace object: a number never reused; when the object is freed, every plan keyed by it is
+    dropped (the plans hold its buffers, so they would keep its memory alive)."""
+    tok = ws.__dict__.get("_replay_token")
+    if tok is None:
+        tok = ws.__dict__["_replay_token"] = next(_TOKENS)
+        weakref.finalize(ws, _drop_token, tok)
+    return tok
+
+
+def _drop_token(tok: int) -> None:
+    mark = ("workspace", tok)
+    for plans in _ALL_PLANS:
+        for key in [k for k in plans if any(p == mark or type(p) is tuple and p[-1:] == (mark, ) for p in k[0])]:
+            del plans[key]
+
+
 def invalidate() -> None:
     """Forget every plan (a default workspace was replaced or freed: plans hold its buffers)."""
     _GENERATION[0] += 1
@@ -75,15 +104,20 @@ def invalidate() -> None:
 _ALL_PLANS: list[dict] = []
 
 
+_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def _meta(x):
-    if type(x) is torch.Tensor:
+    if type(x) in _TENSOR_TYPES:
+        if x.layout is not torch.strided:
+            raise _Unkeyable(f"a {x.layout} tensor")
         return (x.shape, x.stride(), x.dtype, x.device, x.data_ptr() % 16 == 0)
     if x is None or type(x) in (str, float):
         return x
     if type(x) in (int, bool):
         return (type(x), x)
-    if getattr(x, "replay_by_identity", False):  # a SparseMLAWorkspace: its identity (the plan keeps it alive)
-        return ("workspace", id(x))
+    if getattr(x, "replay_by_identity", False):  # a SparseMLAWorkspace: its token (plans drop when it is freed)
+        return ("workspace", _workspace_token(x))
     if type(x) is torch.device or type(x) is torch.dtype:
         return x
     raise _Unkeyable(type(x).__name__)
@@ -129,6 +163,7 @@ class _Recorder:
     """What one call did: launches (with their tensors), allocations, and why it cannot be replayed (or None)."""
 
     def __init__(self, dry: bool):
+        self.thread = threading.get_ident()
         self.dry = dry
         self.launches: list = []
         self.temps: list = []  # (func, args, kwargs, tensor)
@@ -150,8 +185,9 @@ class _Recorder:
         """A CuPy launch; ``replay(kern, device_index, grid, block, smem, args, stream_ptr)`` makes it again."""
         self.launches.append(("cupy", replay, kern, device_index, grid, block, smem, args, pointer_tensors))
 
-    def seen(self, *_):  # Triton launch-enter hook: every launch, reported or not
-        self.triton_seen += 1
+    def seen(self, *_):  # Triton launch-enter hook: every launch of this thread, reported or not
+        if threading.get_ident() == self.thread:
+            self.triton_seen += 1
 
 
 class _OpWatch(TorchDispatchMode):
@@ -185,6 +221,7 @@ def _run_recorded(fn, args, kwargs, dry: bool):
     launch_cache.set_recorder(rec)
     if hooked:
         chain.add(rec.seen)
+        launch_cache.ignore_hook(rec.seen)
     else:
         rec.fail("this Triton's launch hooks cannot be chained")
     try:
@@ -194,6 +231,7 @@ def _run_recorded(fn, args, kwargs, dry: bool):
         launch_cache.set_recorder(None)
         if hooked:
             chain.remove(rec.seen)
+            launch_cache.unignore_hook(rec.seen)
     if not dry and rec.triton_seen != rec.triton_reported:
         rec.fail(f"{rec.triton_seen - rec.triton_reported} Triton launches not made through LaunchCache")
     return result, rec
@@ -262,19 +300,25 @@ class _Attribution:
         self.inputs = [(t, t.data_ptr(), _extent(t)) for t in tensors]
         self.temps = [(t, t.data_ptr(), _extent(t)) for (_, _, _, t) in rec.temps]
         self.keep: list = []
+        spans = sorted((base, base + ext) for _, base, ext in self.inputs if ext)
+        if any(lo < prev_hi for (_, prev_hi), (lo, _) in zip(spans, spans[1:])):
+            # which argument a pointer belongs to would depend on how the arguments alias: not in the key
+            raise _Unkeyable("two of the call's tensors share memory")
+        self.storages = {u.untyped_storage().data_ptr() for u, _, _ in self.inputs + self.temps}
 
     def __call__(self, t: torch.Tensor):
         p = t.data_ptr()
         for src, pool in ((1, self.temps), (0, self.inputs)):
-            for i, (u, base, ext) in enumerate(pool):
-                if u is t or p == base and ext:
+            for i, (u, base, _) in enumerate(pool):
+                if u is t:
                     return src, i, p - base
-            hits = [(i, base) for i, (u, base, ext) in enumerate(pool) if base <= p < base + ext]
-            if len(hits) > 1 and len({base for _, base in hits}) > 1:
-                raise _Unkeyable(f"a pointer inside two of the call's tensors at different offsets ({p:#x})")
-            if hits:
-                return src, hits[0][0], p - hits[0][1]
-        self.keep.append(t)
+        for src, pool in ((1, self.temps), (0, self.inputs)):
+            for i, (_, base, ext) in enumerate(pool):
+                if base <= p < base + ext:
+                    return src, i, p - base
+        if t.untyped_storage().data_ptr() in self.storages:
+            raise _Unkeyable(f"a pointer ({p:#x}) into a call tensor's storage outside its elements")
+        self.keep.append(t)  # a buffer that outlives the call (a workspace's, a placeholder)
         return 2, 0, p
 
 
@@ -326,6 +370,9 @@ def _structure(result, tensors, rec):
         for i, t in enumerate(tensors):
             if t is result:
                 return ("in", i)
+        for i, (_, _, _, t) in enumerate(rec.temps):
+            if t is result:
+                return ("tmp", i)
         for i, (_, _, _, t) in enumerate(rec.temps):  # the allocation itself (the mode's object may be another)
             if _same_view(t, result):
                 return ("tmp", i)
@@ -365,6 +412,9 @@ def replayed(written: tuple[str, ...] = ()):
         plans: dict = {}
         _ALL_PLANS.append(plans)
         names = frozenset(written)
+        params = list(inspect.signature(fn).parameters.values())
+        written_pos = frozenset(i for i, prm in enumerate(params) if prm.name in names
+                                and prm.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
@@ -374,13 +424,15 @@ def replayed(written: tuple[str, ...] = ()):
             written_idx: list = []
             try:
                 parts = []
-                for a in args:
+                for i, a in enumerate(args):
                     parts.append(_meta(a))
-                    if type(a) is torch.Tensor:
+                    if type(a) in _TENSOR_TYPES:
+                        if i in written_pos:
+                            written_idx.append(len(tensors))
                         tensors.append(a)
                 for k, v in kwargs.items():
                     parts.append((k, _meta(v)))
-                    if type(v) is torch.Tensor:
+                    if type(v) in _TENSOR_TYPES:
                         if k in names:
                             written_idx.append(len(tensors))
                         tensors.append(v)
@@ -405,11 +457,9 @@ def replayed(written: tuple[str, ...] = ()):
                 if rec.reason is not None:
                     raise _Unkeyable(rec.reason)
                 new = _plan_from(rec, tensors, written_idx, result)
-                new.keep.extend(a for a in list(args) + list(kwargs.values()) if getattr(a, "replay_by_identity", False))
             except _Unkeyable as exc:
-                plans[key] = _Failed((plan.count if plan is not None else 0) + 1, str(exc))
-                return result
-            if len(plans) >= MAX_PLANS:
+                new = _Failed((plan.count if plan is not None else 0) + 1, str(exc))
+            if len(plans) >= MAX_PLANS and key not in plans:
                 plans.pop(next(iter(plans)))
             plans[key] = new
             return result

@@ -36,9 +36,26 @@ def set_recorder(rec) -> None:
     _STATE.recorder = rec
 
 
+_IGNORED_HOOKS: list = []  # the launch counters of calls being recorded (sparse_mla.call_cache): not profilers
+
+
+def ignore_hook(fn) -> None:
+    _IGNORED_HOOKS.append(fn)
+
+
+def unignore_hook(fn) -> None:
+    _IGNORED_HOOKS.remove(fn)
+
+
 def _hooked(hook) -> bool:
-    """Whether a Triton launch hook is installed: None or an empty ``HookChain`` (Triton 3.6) means none."""
-    return hook is not None and bool(getattr(hook, "calls", True))
+    """Whether a Triton launch hook is installed: None or a ``HookChain`` (Triton 3.6) holding nothing but recorders'
+    launch counters means none."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    if calls is None:
+        return True
+    return any(c not in _IGNORED_HOOKS for c in calls)
 
 
 class LaunchCache:

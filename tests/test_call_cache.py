@@ -157,7 +157,8 @@ def test_unkeyable_arguments_and_inactive_states_run_the_full_path(fake, monkeyp
     op = make_op(fake)
     x = torch.randn(6, 4)
     op(x, [2])  # a list: not keyed
-    op(torch.nn.Parameter(x), 2)  # a tensor subclass: not keyed
+    with pytest.raises(NotImplementedError):
+        op(x.to_sparse(), 2)  # a sparse tensor: not keyed (the full path raises its own error)
     assert op.plans == {}
     op(x, 2)
     fake.log.clear()
@@ -221,3 +222,80 @@ def test_nested_replayed_calls_record_into_the_outer_one(fake):
     fake.log.clear()
     outer(torch.randn(6, 4))
     assert runs(fake) == ["run", "run"]
+
+
+def test_parameters_are_keyed_like_tensors(fake):
+    op = make_op(fake)
+    op(torch.randn(6, 4), 2)
+    fake.log.clear()
+    op(torch.nn.Parameter(torch.randn(6, 4)), 2)
+    assert runs(fake) == ["run", "run"]
+
+
+def test_a_written_argument_passed_by_position_is_checked_for_overlap(fake):
+    lc = LaunchCache(fake)
+
+    @call_cache.replayed(written=("out", ))
+    def op(x, out):
+        lc(("v", ), (1, ), (x, out, 1), dict(BLOCK=4))
+        return out
+
+    buf = torch.randn(12, 4)
+    op(buf[:6], torch.empty(6, 4))
+    fake.log.clear()
+    op(buf[:6], buf[6:])
+    assert runs(fake) == ["run"]
+    fake.log.clear()
+    op(buf[:6], buf[3:9])  # out overlaps x: the full path
+    assert runs(fake) == ["jit"]
+
+
+def test_arguments_sharing_memory_are_not_recorded(fake):
+    lc = LaunchCache(fake)
+
+    @call_cache.replayed()
+    def op(a, b):
+        out = torch.empty(2)
+        lc(("v", ), (1, ), (a, b, 1), dict(BLOCK=4))
+        return out
+
+    x = torch.randn(8)
+    for _ in range(3):
+        op(x, x)  # which argument a pointer belongs to would depend on the aliasing
+    assert runs(fake) == ["jit"] * 3
+    assert "share memory" in call_cache.status(op)["not_replayable"][0]
+
+
+class Workspace:
+    replay_by_identity = True
+
+    def __init__(self):
+        self.buf = torch.zeros(16)
+
+
+def test_plans_of_a_freed_workspace_are_dropped(fake):
+    import gc
+
+    lc = LaunchCache(fake)
+
+    @call_cache.replayed()
+    def op(x, workspace):
+        out = torch.empty(2)
+        lc(("v", ), (1, ), (x, workspace.buf, out, 1), dict(BLOCK=4))
+        return out
+
+    ws = Workspace()
+    x = torch.randn(8)
+    op(x, ws)
+    fake.log.clear()
+    op(x, ws)
+    assert runs(fake) == ["run"] and fake.log[0][2][1] == ws.buf.data_ptr()
+    other = Workspace()
+    fake.log.clear()
+    op(x, other)  # another workspace object: another key, its own buffer
+    op(x, other)
+    assert runs(fake) == ["jit", "run"] and fake.log[1][2][1] == other.buf.data_ptr()
+    assert len(op.plans) == 2
+    del ws
+    gc.collect()
+    assert len(op.plans) == 1, "the freed workspace's plan (holding its buffers) is gone"
