@@ -150,10 +150,16 @@ def _active() -> bool:
     """Whether replay may run now (module docstring's "Off" list, but the interpreter, which keys by the env)."""
     if not ENABLED or not launch_cache.ENABLED or logger.isEnabledFor(logging.DEBUG):
         return False
+    rt = _triton_runtime_knobs()
+    return not (launch_cache._hooked(rt.launch_enter_hook) or launch_cache._hooked(rt.launch_exit_hook))
+
+
+@functools.cache
+def _triton_runtime_knobs():
+    """``triton.knobs.runtime`` (imported once: ``_active`` runs on every call)."""
     from triton import knobs
 
-    return not (launch_cache._hooked(knobs.runtime.launch_enter_hook)
-                or launch_cache._hooked(knobs.runtime.launch_exit_hook))
+    return knobs.runtime
 
 
 # --- recording -----------------------------------------------------------------------------------------------------

@@ -306,3 +306,16 @@ def check_selected_rows_finite(kv: torch.Tensor, indices: torch.Tensor, selected
     )
 
 
+
+
+def require_distinct_rows(indices: torch.Tensor, valid: torch.Tensor) -> None:
+    """Checked mode: raise ValueError naming the first query whose valid entries (``valid`` [T, K] bool) of
+    ``indices`` [T, K] list one row twice. Reads device data (syncs)."""
+    K = indices.shape[1]
+    keyed = torch.where(valid, indices.long(), -1 - torch.arange(K, device=indices.device, dtype=torch.long)[None, :])
+    s, _ = keyed.sort(dim=1)
+    dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
+    if bool(dup.any()):
+        t, j = (int(v) for v in dup.nonzero()[0])
+        raise ValueError(f"indices[{t}] lists row {int(s[t, j + 1])} more than once; top-k rows of one query must be "
+                         "distinct (check=True)")

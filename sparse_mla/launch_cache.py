@@ -101,11 +101,8 @@ class LaunchCache:
                 rec.fail(f"{getattr(fn, '__name__', fn)} is not a Triton kernel")
                 fn[grid](*args, **constexprs, **options)
                 return
-            if self._trailing is None:
-                self._trailing = tuple(fn.arg_names[len(args):])
-            rest = tuple(constexprs[n] if n in constexprs else options[n] for n in self._trailing)
             kernel = None if rec.dry else fn[grid](*args, **constexprs, **options)
-            rec.triton(fn, kernel, (tuple(grid) + (1, 1))[:3], tuple(args) + rest)
+            rec.triton(fn, kernel, (tuple(grid) + (1, 1))[:3], tuple(args) + self._rest(fn, args, constexprs, options))
             return
         from triton import knobs
 
@@ -127,12 +124,16 @@ class LaunchCache:
             if kernel is not None and hasattr(kernel, "run"):
                 self._kernels[full] = kernel
             return
-        if self._trailing is None:
-            self._trailing = tuple(fn.arg_names[len(args):])
-        rest = tuple(constexprs[n] if n in constexprs else options[n] for n in self._trailing)
+        rest = self._rest(fn, args, constexprs, options)
         g = tuple(grid) + (1, 1)
         stream = drv.get_current_stream(dev)
         k.run(g[0], g[1], g[2], stream, k.function, k.packed_metadata, None, None, None, *args, *rest)
+
+    def _rest(self, fn, args: tuple, constexprs: dict, options: dict) -> tuple:
+        """The values of the parameters after ``args``, in the kernel's order (constexprs and option parameters)."""
+        if self._trailing is None:
+            self._trailing = tuple(fn.arg_names[len(args):])
+        return tuple(constexprs[n] if n in constexprs else options[n] for n in self._trailing)
 
     def clear(self) -> None:
         """Forget the compiled variants (the JIT's own cache keeps them compiled)."""

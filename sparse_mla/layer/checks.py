@@ -18,6 +18,7 @@ from ..checks import (
     nonfinite_rows,
     require_bool,
     require_disjoint,
+    require_distinct_rows,
     require_finite_float,
 )
 from ..kv_format import KV_FORMATS, check_kv_format, kv_rows_of_format
@@ -238,13 +239,7 @@ def check_layer_contents(p: DSAPrefillProblem) -> None:
         raise ValueError(f"indices[{t}, {j}] = {int(idx[t, j])} is outside the causal window of token {t} "
                          f"(rows {int(lo[t])} .. {int(lo[t] + win[t] - 1)}) (check=True)")
     valid = counted & inside
-    keyed = torch.where(valid, idx.long(), -1 - torch.arange(K, device=idx.device, dtype=torch.long)[None, :])
-    s, _ = keyed.sort(dim=1)
-    dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
-    if bool(dup.any()):
-        t, j = (int(v) for v in dup.nonzero()[0])
-        raise ValueError(f"indices[{t}] lists row {int(s[t, j + 1])} more than once; top-k rows of one query must be "
-                         "distinct (check=True)")
+    require_distinct_rows(idx, valid)
     dense, _ = p.step.dense_eligible
     if dense:
         short = valid.sum(1) != win

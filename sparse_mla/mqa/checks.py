@@ -22,6 +22,7 @@ from ..checks import (
     has_self_overlap,
     require_bool,
     require_disjoint,
+    require_distinct_rows,
     require_finite_float,
     require_int,
 )
@@ -182,7 +183,7 @@ def check_contents(p: SparseMLAProblem) -> None:
             NaN / inf in a kv row that some query selects (``check_selected_rows_finite``; an FP8
             cache's rows as they dequantize to q's dtype).
     """
-    T, K, N = p.num_tokens, p.topk, p.num_kv_rows
+    T, N = p.num_tokens, p.num_kv_rows
     idx = p.indices
     counted = counted_entries(idx, p.topk_length)
     oob = counted & (idx >= N)
@@ -190,13 +191,7 @@ def check_contents(p: SparseMLAProblem) -> None:
         t, j = (int(v) for v in oob.nonzero()[0])
         raise ValueError(f"indices[{t}, {j}] = {int(idx[t, j])} is out of range for kv with N = {N} rows (check=True)")
     valid = counted & (idx >= 0)
-    keyed = torch.where(valid, idx.long(), -1 - torch.arange(K, device=idx.device, dtype=torch.long)[None, :])
-    s, _ = keyed.sort(dim=1)
-    dup = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
-    if bool(dup.any()):
-        t, j = (int(v) for v in dup.nonzero()[0])
-        raise ValueError(f"indices[{t}] lists row {int(s[t, j + 1])} more than once; top-k rows of one query must be "
-                         "distinct (check=True)")
+    require_distinct_rows(idx, valid)
     if p.cu_seqlens_q is not None:
         cu = p.cu_seqlens_q
         if int(cu[0]) != 0 or int(cu[-1]) != T or bool((cu[1:] < cu[:-1]).any()):

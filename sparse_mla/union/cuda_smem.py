@@ -208,14 +208,9 @@ def get_kernel(device_index: int, options: tuple[str, ...] | None = None):
     return kern
 
 
-def _stream(device: torch.device):
-    """torch's current stream on ``device`` as a CuPy stream object (cached per raw handle)."""
-    return stream_for(device.index, torch.cuda.current_stream(device).cuda_stream)
-
-
-def replay_launch(kern, device_index: int, grid: tuple, block: tuple, smem: int, args: tuple, stream_ptr: int) -> None:
-    """A recorded launch of ``build_union`` again, with ``args`` rebased (``sparse_mla.call_cache``), on the raw
-    stream ``stream_ptr``."""
+def launch_on(kern, device_index: int, grid: tuple, block: tuple, smem: int, args: tuple, stream_ptr: int) -> None:
+    """Launch ``kern`` on device ``device_index``'s raw stream ``stream_ptr``: ``build_union``'s launch, and a recorded
+    one again with its ``args`` rebased (``sparse_mla.call_cache``)."""
     stream = stream_for(device_index, stream_ptr)
     if torch.cuda.current_device() == device_index:
         kern(grid, block, args, shared_mem=smem, stream=stream)
@@ -352,13 +347,9 @@ def build_union(
     rec = recorder()
     if rec is not None:  # a call being recorded (sparse_mla.call_cache): the pointer arguments' tensors name them
         pointers = (indices, topk_length, group_start, group_len, route, rows, bits, union_len)
-        rec.cupy(replay_launch, kern, idx, (cfg.grid, ), (cfg.block, ), cfg.smem_bytes, cfg.args, pointers)
+        rec.cupy(launch_on, kern, idx, (cfg.grid, ), (cfg.block, ), cfg.smem_bytes, cfg.args, pointers)
         if rec.dry:
             return cfg.plan
-    stream = _stream(torch.device("cuda", idx))
-    if torch.cuda.current_device() == idx:
-        kern((cfg.grid,), (cfg.block,), cfg.args, shared_mem=cfg.smem_bytes, stream=stream)
-    else:
-        with _cupy().cuda.Device(idx):
-            kern((cfg.grid,), (cfg.block,), cfg.args, shared_mem=cfg.smem_bytes, stream=stream)
+    launch_on(kern, idx, (cfg.grid, ), (cfg.block, ), cfg.smem_bytes, cfg.args,
+              torch.cuda.current_stream(idx).cuda_stream)
     return cfg.plan
