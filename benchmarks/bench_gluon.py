@@ -9,6 +9,9 @@ Every row: time, TFLOP/s (per-token: useful FLOPs 2 * H * valid * 1088; grouped:
 4.3 TB/s), and the max relative error per (token, head) row against the fp32 reference on sampled tokens.
 
     python benchmarks/bench_gluon.py --json out/gluon.json [--quick] [--backends gluon_sm90:pair,triton] [--ablate 2,8]
+    git show REV:sparse_mla/mqa/gluon_sm90/pair.py > /tmp/base.py
+    python benchmarks/bench_gluon.py --json out/ab.json --quick --pair base=/tmp/base.py \
+        --backends gluon_sm90:pair@base,gluon_sm90:pair,flashmla --trials 2
 """
 
 from __future__ import annotations
@@ -59,6 +62,31 @@ def use(name):
         gluon_sm90.config.SCHEDULE = schedule
 
 
+def register_pair(name, path):
+    """Load a pair-schedule module from ``path`` (e.g. ``git show REV:sparse_mla/mqa/gluon_sm90/pair.py``) beside the
+    package's own and make it launchable as the schedule ``pair@<name>`` (backend ``gluon_sm90:pair@<name>``), for a
+    same-process A/B of kernel revisions on the same tensors."""
+    import importlib.util
+
+    from sparse_mla.mqa.gluon_sm90 import launcher
+
+    spec = importlib.util.spec_from_file_location(f"sparse_mla.mqa.gluon_sm90._ab_pair_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    own, schedule_name = launcher._kernel_for, f"pair@{name}"
+    launcher._kernel_for = lambda schedule: mod.sparse_mqa_sm90_pair_kernel if schedule == schedule_name else own(schedule)
+
+
+def flashmla_per_token(q, kv, idx, sm):
+    """FlashMLA's sparse prefill on the same tensors (``flashmla_sm90``, benchmarks/flashmla/build.py): out."""
+    from sparse_mla.bench.baselines import _flash_mla_module
+
+    fm = _flash_mla_module()
+    if fm is None:
+        raise RuntimeError("FlashMLA is not importable: build it (benchmarks/flashmla/build.py) and put it on PYTHONPATH")
+    return fm.flash_mla_sparse_fwd(q, kv[:, None, :], idx[:, None, :], sm, d_v=D_V)[0]
+
+
 def write_json(path, rows):
     """The rows with the run's meta (command, git revision, GPU, date, versions, timing) as JSON."""
     meta = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv), git_revision=git_revision(),
@@ -87,12 +115,16 @@ def per_token_rows(H, T, K, N, dev, names):
     gather = T * K * D_QK * 2
     rows = []
     for name in names:
-        use(name)
-        out.fill_(float("nan"))
-        fn = lambda: backends.per_token(q, kv, idx, sm, None, out, lse)  # noqa: E731
-        fn()
-        torch.cuda.synchronize()
-        err = row_err(out[toks], ref)
+        if name == "flashmla":
+            fn = lambda: flashmla_per_token(q, kv, idx, sm)  # noqa: E731
+            err = row_err(fn()[toks], ref)
+        else:
+            use(name)
+            out.fill_(float("nan"))
+            fn = lambda: backends.per_token(q, kv, idx, sm, None, out, lse)  # noqa: E731
+            fn()
+            torch.cuda.synchronize()
+            err = row_err(out[toks], ref)
         ms = timed(fn)
         rows.append(dict(case=f"per_token H{H}", backend=name, ms=ms, tflops=flops / ms * 1e-9,
                          floor_ms=max(flops / PEAK_TFLOPS * 1e-9, gather / HBM_TBS * 1e-9), max_row_err=err))
@@ -125,7 +157,7 @@ def grouped_rows(H, cached, new, K, dev, names):
     out = torch.empty(T, H, D_V, device=dev, dtype=torch.bfloat16)
     lse = torch.empty(T, H, device=dev, dtype=torch.float32)
     rows = []
-    for name in names:
+    for name in (n for n in names if n != "flashmla"):  # FlashMLA has no grouped tile (the op bench pads it)
         use(name)
         out.fill_(float("nan"))
         fn = lambda: backends.grouped(q, kv, sm, G, ws.union_rows, ws.union_bits, ul, gs, gl_, out, lse)  # noqa: E731
@@ -147,12 +179,21 @@ def main():
     ap.add_argument("--json", required=True, help="where to write the results JSON")
     ap.add_argument("--quick", action="store_true", help="128/64-head per-token and 16-head grouped only")
     ap.add_argument("--backends", default="gluon_sm90:pair,gluon_sm90:split,triton",
-                    help="comma-separated backends to time (gluon_sm90:<schedule> picks the Gluon schedule)")
+                    help="comma-separated backends to time (gluon_sm90:<schedule> picks the Gluon schedule; "
+                    "flashmla: FlashMLA's sparse prefill, per token only; gluon_sm90:pair@NAME: a --pair kernel)")
+    ap.add_argument("--pair", action="append", default=[], metavar="NAME=FILE",
+                    help="a pair.py of another revision, timed as gluon_sm90:pair@NAME beside the package's own "
+                    "(repeatable)")
+    ap.add_argument("--trials", type=int, default=1, help="time every case this many times (backends interleaved)")
     ap.add_argument("--ablate", default="", help="comma-separated ABLATE masks of the split schedule to time at "
                     "64 heads per token (timing only: results are wrong by design)")
     a = ap.parse_args()
     dev = torch.device("cuda")
     names = a.backends.split(",")
+    for spec in a.pair:
+        name, _, path = spec.partition("=")
+        register_pair(name, path)
+    names = names * a.trials
     rows = []
     for mask in [int(x) for x in a.ablate.split(",") if x]:
         gluon_sm90.config.ABLATE = mask

@@ -3,6 +3,10 @@ under Nsight Compute, e.g.
 
     ncu --kernel-name regex:sparse_mqa --launch-skip 2 --launch-count 1 --set full \
         python benchmarks/ncu_gluon.py --heads 64 --tokens 2048 [--schedule pair|split] [--kv-dtype fp8]
+
+``--kernel flashmla`` launches FlashMLA's sparse prefill on the same tensors instead (``flashmla_sm90`` on PYTHONPATH,
+benchmarks/flashmla/build.py; its kernel is ``sparse_attn_fwd_kernel``): profile both with one ncu command line,
+``--kernel-name regex:"sparse_mqa|sparse_attn"``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ def main():
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--schedule", default=gluon_sm90.config.SCHEDULE, choices=gluon_sm90.SCHEDULES)
+    ap.add_argument("--kernel", default="sparse_mla", choices=("sparse_mla", "flashmla"),
+                    help="whose kernel runs: this package's (sparse_mla_fwd) or FlashMLA's sparse prefill (bf16 only)")
     ap.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp8"),
                     help="fp8: the cache as fp8_ds_mla rows (ue8m0 scales; an FP8 cache runs the split schedule "
                     "whatever --schedule says: gluon_sm90.schedule_for)")
@@ -38,8 +44,19 @@ def main():
         from sparse_mla.kv_format import FP8_DS_MLA
 
         kv, kw = FP8_DS_MLA.quantize(kv), {"kv_format": "fp8_ds_mla"}
+    if a.kernel == "flashmla":
+        if kw:
+            raise SystemExit("--kernel flashmla takes a bf16 cache only (FlashMLA's sparse prefill)")
+        from sparse_mla.bench.baselines import _flash_mla_module
+
+        fm = _flash_mla_module()
+        if fm is None:
+            raise SystemExit("FlashMLA is not importable: build it with benchmarks/flashmla/build.py, put it on PYTHONPATH")
+        call = lambda: fm.flash_mla_sparse_fwd(q, kv[:, None, :], idx[:, None, :], 576 ** -0.5, d_v=512)  # noqa: E731
+    else:
+        call = lambda: sparse_mla_fwd(q, kv, idx, 576 ** -0.5, **kw)  # noqa: E731
     for _ in range(3):
-        sparse_mla_fwd(q, kv, idx, 576 ** -0.5, **kw)
+        call()
     torch.cuda.synchronize()
 
 

@@ -31,29 +31,58 @@ _NEG: gl.constexpr = gl.constexpr(-1.0e30)  # finite "no row yet" max: no inf - 
 
 @gluon.jit
 def _vec_store(smem, x):
-    """Store a [64] row vector (any layout) to shared memory through a plain 1-D layout."""
-    smem.store(gl.convert_layout(x, gl.BlockedLayout([1], [32], [gl.num_warps()], [0])))
+    """Store a [64] row vector to shared memory from its own (row-slice) layout: no layout conversion, whose
+    round trip through scratch memory costs two barriers; the lanes that hold a row store the same value."""
+    smem.store(x)
 
 @gluon.jit
 def _vec_load(smem, layout: gl.constexpr):
-    return gl.convert_layout(smem.load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), layout)
+    return smem.load(layout)
 
 @gluon.jit
 def _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, j, s_l: gl.constexpr, GROUPED: gl.constexpr):
-    """Per kv column of tile j: the membership word (grouped) or 1 / 0 for a valid / invalid row (per token).
-    Loaded before the tile's wait (latency hidden); ``_tile_allowed`` expands it after the Q.K^T."""
+    """Per kv column of tile j: the membership word (grouped), or per token the additive mask, 0.0 for a valid
+    row and -inf for a padded / out-of-range one. ``_scaled_logits`` applies it after the Q.K^T. Where it is loaded
+    (results/gluon-v14-ab1.json, same run): per token before the tile's barrier waits (537 vs 525 TFLOP/s at 64
+    heads, 554 vs 545 at 128), grouped once the tile's Q.K^T is issued (1.49 vs 1.54-1.61 ms at 16 heads; loaded
+    before a wait, the fence after the wait, a MEMBAR, waits for the load)."""
     pos = j * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(0, s_l))
     in_list = pos < n_rows
     if GROUPED:
         return gl.load(bits_ptr + gid.to(gl.int64) * row_stride + pos, mask=in_list, other=0)
     else:
         idx = gl.load(rows_ptr + gid.to(gl.int64) * row_stride + pos, mask=in_list, other=-1)
-        return ((idx >= 0) & (idx < N)).to(gl.int32)
+        return gl.where((idx >= 0) & (idx < N), 0.0, float("-inf"))
 
 @gluon.jit
-def _tile_allowed(cols, qi):
-    """[64, 64] bool: which (pseudo-head, kv row) pairs count (qi = the row's query in the group, -1 = none)."""
-    return (((cols[None, :] >> gl.maximum(qi, 0)[:, None]) & 1) != 0) & (qi >= 0)[:, None]
+def _no_cols(s_l: gl.constexpr, GROUPED: gl.constexpr):
+    """A placeholder of ``_tile_cols``'s type (an item with no tile never reads it)."""
+    if GROUPED:
+        return gl.zeros([_BN], gl.int32, layout=gl.SliceLayout(0, s_l))
+    else:
+        return gl.zeros([_BN], gl.float32, layout=gl.SliceLayout(0, s_l))
+
+@gluon.jit
+def _scaled_logits(s, cols, row_bit, qk_scale, GROUPED: gl.constexpr):
+    """[64, 64] logits in base-2 units, -inf where a (pseudo-head, kv row) pair does not count. Grouped: the
+    column's membership word has the row's query bit (row_bit = 1 << its query in the group, 0 past the real
+    pseudo-heads). Per token: the column's additive mask, one FFMA per logit (a row past the real heads holds a
+    zero-filled Q row: finite logits, never stored)."""
+    if GROUPED:
+        return gl.where((cols[None, :] & row_bit[:, None]) != 0, s * qk_scale, float("-inf"))
+    else:
+        return s * qk_scale + cols[None, :]
+
+@gluon.jit
+def _to_operand(p, dt: gl.constexpr):
+    """fp32 P -> bf16 / fp16 with one packed, round-to-nearest cvt per two values (Triton 3.6 emits a scalar cvt,
+    a quarter-rate F2F, per value here); the same bits as ``p.to(dt)``."""
+    if dt == gl.bfloat16:
+        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.bfloat16,
+                                         is_pure=True, pack=2)
+    else:
+        return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [p], dtype=gl.float16,
+                                         is_pure=True, pack=2)
 
 # Half stages: a tile's columns 0..255 ("L") and 256..511 + RoPE ("R") live in separate buffers with their own
 # ready / empty barriers, so the producer refills a half as soon as its last reader is done with it:
@@ -178,11 +207,11 @@ def _pair_release(bar):
 
 @gluon.jit
 def _pair_wg0_step(s, cols, o, m_i, l_i, i, k, q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, hb, bars,
-                   rows_ptr, bits_ptr, row_stride, N, gid, n_rows, qi, qk_scale, GROUPED: gl.constexpr,
+                   rows_ptr, bits_ptr, row_stride, N, gid, n_rows, row_bit, qk_scale, GROUPED: gl.constexpr,
                    HAS_PE: gl.constexpr, NEXT: gl.constexpr):
     """Warpgroup 0, pair i of the item (the CTA's pair k): S of tile 2i is in ``s`` (computed), its column
     words in ``cols``. With NEXT, the Q.K^T of tile 2i + 2 is issued (L half) before the wait on P1.V1, so the
-    two overlap, and returned computed with that tile's column words (loaded before the waits)."""
+    two overlap, and returned computed with that tile's column words (_tile_cols says when they are loaded)."""
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
     p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
@@ -192,7 +221,7 @@ def _pair_wg0_step(s, cols, o, m_i, l_i, i, k, q_v, q_r, ring_l, ring_h, ring_r,
     z = ((k + N) < 0).to(gl.int32)  # an opaque 0 (module comment; k + N < 2**31: pairs and kv rows are int32 counts)
     st0 = z
     st1 = 1 - z
-    s = gl.where(_tile_allowed(cols, qi), s * qk_scale, float("-inf"))
+    s = _scaled_logits(s, cols, row_bit, qk_scale, GROUPED)
     m0 = gl.maximum(m_i, gl.max(s, axis=1))
     _vec_store(s_m0, m0)
     _pair_release(bars.index(0))  # m0 ready
@@ -200,7 +229,7 @@ def _pair_wg0_step(s, cols, o, m_i, l_i, i, k, q_v, q_r, ring_l, ring_h, ring_r,
     alpha = gl.exp2(m_i - m0)
     o = o * gl.convert_layout(alpha, rows_o)[:, None]
     l_i = l_i * alpha + gl.sum(p, axis=1)
-    pb = p.to(dt)  # only the rounded P stays live (registers are the limit of this schedule)
+    pb = _to_operand(p, dt)  # only the rounded P stays live (registers are the limit of this schedule)
     a_op = gl.convert_layout(pb, p_l)
     o = warpgroup_mma(a_op, ring_l.index(st0), o, is_async=True)
     o, a_op = warpgroup_mma_wait(num_outstanding=0, deps=(o, a_op))
@@ -216,7 +245,8 @@ def _pair_wg0_step(s, cols, o, m_i, l_i, i, k, q_v, q_r, ring_l, ring_h, ring_r,
     mbarrier.wait(bars.index(3), k & 1)  # P1 ready
     o = warpgroup_mma(s_p1, ring_l.index(st1), o, is_async=True)
     if NEXT:
-        cols = _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 2 * i + 2, s_l, GROUPED)
+        if not GROUPED:
+            cols = _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 2 * i + 2, s_l, GROUPED)
         mbarrier.wait(hb.index(0), (k + 1) & 1)  # L0 of tile 2i + 2 landed
         fence_async_shared()
         s = _pair_qk_half(q_v, ring_l, 0, st0, z, s, False)  # the dead S as accumulator: no zeros kept live
@@ -228,6 +258,8 @@ def _pair_wg0_step(s, cols, o, m_i, l_i, i, k, q_v, q_r, ring_l, ring_h, ring_r,
         s = _pair_qk_half(q_v, ring_h, 256, st0, z, s, True)
         if HAS_PE:
             s = _pair_qk_rope(q_r, ring_r, st0, z, s)
+        if GROUPED:
+            cols = _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 2 * i + 2, s_l, GROUPED)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     else:
         o = warpgroup_mma_wait(num_outstanding=0, deps=(o, ))
@@ -238,18 +270,18 @@ def _pair_wg0_step(s, cols, o, m_i, l_i, i, k, q_v, q_r, ring_l, ring_h, ring_r,
 @gluon.jit
 def _pair_item(mb, n_rows, n_heads, H):
     """A consumer warpgroup's start of a work item (m-block mb, n_rows kv rows, n_heads real pseudo-heads): (pairs
-    of tiles, each S row's query in the group (-1 past the real pseudo-heads), and fresh m, l, O, S)."""
+    of tiles, each S row's query bit (1 << its query in the group, 0 past the real pseudo-heads), and fresh m, l, O, S)."""
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
     rows_s: gl.constexpr = gl.SliceLayout(1, s_l)
     n_pairs = gl.cdiv(n_rows, 2 * _BN)
     p_s = mb * _BH + gl.arange(0, _BH, layout=rows_s)
-    qi = gl.where(p_s < n_heads, p_s // H, -1)
+    row_bit = gl.where(p_s < n_heads, 1 << (p_s // H), 0)
     m_i = gl.full([_BH], _NEG, gl.float32, layout=rows_s)
     l_i = gl.zeros([_BH], gl.float32, layout=rows_s)
     o = gl.zeros([_BH, 256], gl.float32, layout=o_l)
     s = gl.zeros([_BH, _BN], gl.float32, layout=s_l)
-    return n_pairs, qi, m_i, l_i, o, s
+    return n_pairs, row_bit, m_i, l_i, o, s
 
 @gluon.jit
 def _pair_wg0(q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, hb, bars, q_bars, rows_ptr, bits_ptr,
@@ -265,8 +297,8 @@ def _pair_wg0(q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_
         gid, mb, tok0, n_rows, n_heads = _resolve_item(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
                                                        m_blocks, group_heads, has_nrows, has_route, GROUPED)
         if mb * _BH < n_heads:
-            n_pairs, qi, m_i, l_i, o, s = _pair_item(mb, n_rows, n_heads, H)
-            cols = _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 0, s_l, GROUPED)
+            n_pairs, row_bit, m_i, l_i, o, s = _pair_item(mb, n_rows, n_heads, H)
+            cols = _no_cols(s_l, GROUPED)
             mbarrier.wait(q_bars.index(0), it & 1)  # Q landed
             fence_async_shared()
             if n_pairs > 0:
@@ -279,15 +311,16 @@ def _pair_wg0(q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_
                 s = _pair_qk_half(q_v, ring_h, 256, z, z, s, True)
                 if HAS_PE:
                     s = _pair_qk_rope(q_r, ring_r, z, z, s)
+                cols = _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 0, s_l, GROUPED)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
             for i in range(n_pairs - 1):
                 s, cols, o, m_i, l_i = _pair_wg0_step(s, cols, o, m_i, l_i, i, k + i, q_v, q_r, ring_l, ring_h,
                                                       ring_r, s_p0, s_p1, s_m0, s_m1, hb, bars, rows_ptr, bits_ptr,
-                                                      row_stride, N, gid, n_rows, qi, qk_scale, GROUPED, HAS_PE, True)
+                                                      row_stride, N, gid, n_rows, row_bit, qk_scale, GROUPED, HAS_PE, True)
             if n_pairs > 0:
                 s, cols, o, m_i, l_i = _pair_wg0_step(s, cols, o, m_i, l_i, n_pairs - 1, k + n_pairs - 1, q_v, q_r,
                                                       ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, hb, bars,
-                                                      rows_ptr, bits_ptr, row_stride, N, gid, n_rows, qi, qk_scale,
+                                                      rows_ptr, bits_ptr, row_stride, N, gid, n_rows, row_bit, qk_scale,
                                                       GROUPED, HAS_PE, False)
             _pair_epilogue(o, l_i, m_i, s_l0, s_l1, bars, it, q_v, q_bars, out_ptr, lse_ptr, mb, tok0, H,
                            n_heads, stride_ot, stride_oh, stride_lt, has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink,
@@ -314,7 +347,7 @@ def _pair_wg1(q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_
         gid, mb, tok0, n_rows, n_heads = _resolve_item(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
                                                        m_blocks, group_heads, has_nrows, has_route, GROUPED)
         if mb * _BH < n_heads:
-            n_pairs, qi, m_i, l_i, o, s = _pair_item(mb, n_rows, n_heads, H)
+            n_pairs, row_bit, m_i, l_i, o, s = _pair_item(mb, n_rows, n_heads, H)
             mbarrier.wait(q_bars.index(0), it & 1)  # Q landed
             fence_async_shared()
             for i in range(n_pairs):
@@ -322,7 +355,8 @@ def _pair_wg1(q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_
                 z = ((kk + N) < 0).to(gl.int32)  # an opaque 0 (module comment)
                 st0 = z
                 st1 = 1 - z
-                cols = _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 2 * i + 1, s_l, GROUPED)
+                if not GROUPED:
+                    cols = _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 2 * i + 1, s_l, GROUPED)
                 mbarrier.wait(hb.index(3), kk & 1)  # R1 landed
                 fence_async_shared()
                 s = _pair_qk_half(q_v, ring_h, 256, st1, z, s, False)  # the dead S as accumulator: no zeros live
@@ -331,8 +365,10 @@ def _pair_wg1(q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_
                 mbarrier.wait(hb.index(1), kk & 1)  # L1 landed
                 fence_async_shared()
                 s = _pair_qk_half(q_v, ring_l, 0, st1, z, s, True)
+                if GROUPED:
+                    cols = _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 2 * i + 1, s_l, GROUPED)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
-                s = gl.where(_tile_allowed(cols, qi), s * qk_scale, float("-inf"))
+                s = _scaled_logits(s, cols, row_bit, qk_scale, GROUPED)
                 mbarrier.wait(bars.index(0), kk & 1)  # m0 ready
                 m1 = gl.maximum(_vec_load(s_m0, rows_s), gl.max(s, axis=1))
                 _vec_store(s_m1, m1)
@@ -341,7 +377,7 @@ def _pair_wg1(q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_
                 alpha = gl.exp2(m_i - m1)
                 m_i = m1
                 o = o * gl.convert_layout(alpha, rows_o)[:, None]
-                pb = p.to(dt)
+                pb = _to_operand(p, dt)
                 a_op = gl.convert_layout(pb, p_l)
                 o = warpgroup_mma(a_op, ring_h.index(st1), o, is_async=True)
                 l_i = l_i * alpha + gl.sum(p, axis=1)
