@@ -6,8 +6,8 @@ query to 64 heads, run the per-token sparse MQA kernel on all 64, and project on
 latent through W_UV. The attention of the padded query is FlashMLA's own ``flash_mla_sparse_fwd`` when
 the ``flash_mla`` package is importable on a Hopper GPU (what engines run), else this package's fastest
 per-token kernel on that device, through the backend selection point (``sparse_mla.mqa.backends``: the
-Gluon kernel on Hopper, 0.91-0.96x of FlashMLA's speed per token: results/gluon-v12/v13-full.json against
-issue 12's FlashMLA figures; the Triton one elsewhere).
+Gluon kernel on Hopper, 0.96-0.97x of FlashMLA's speed per token in the same run: results/gluon-v14-full.json;
+the Triton one elsewhere).
 ``pad64_baseline_kind`` says which, and the bench records it per scenario. Defined only for H < 64 (at
 64 heads and more nothing is padded).
 
