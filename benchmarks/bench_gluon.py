@@ -65,14 +65,20 @@ def use(name):
 def register_pair(name, path):
     """Load a pair-schedule module from ``path`` (e.g. ``git show REV:sparse_mla/mqa/gluon_sm90/pair.py``) beside the
     package's own and make it launchable as the schedule ``pair@<name>`` (backend ``gluon_sm90:pair@<name>``), for a
-    same-process A/B of kernel revisions on the same tensors."""
+    same-process A/B of kernel revisions on the same tensors. The file's relative imports resolve to this checkout's
+    ``common.py`` / ``config``: it times that revision's pair.py with today's helpers, not the whole old package."""
     import importlib.util
 
     from sparse_mla.mqa.gluon_sm90 import launcher
+    from sparse_mla.mqa.gluon_sm90.signature import check_kernel
+
+    if not name.isidentifier() or not os.path.isfile(path):
+        raise SystemExit(f"--pair wants NAME=FILE with an identifier NAME and an existing FILE, got {name}={path}")
 
     spec = importlib.util.spec_from_file_location(f"sparse_mla.mqa.gluon_sm90._ab_pair_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    check_kernel(mod.sparse_mqa_sm90_pair_kernel)
     own, schedule_name = launcher._kernel_for, f"pair@{name}"
     launcher._kernel_for = lambda schedule: mod.sparse_mqa_sm90_pair_kernel if schedule == schedule_name else own(schedule)
 
@@ -80,14 +86,16 @@ def register_pair(name, path):
 FLASHMLA_HEADS = (64, 128)  # the head counts FlashMLA's SM90 sparse prefill takes (others crash it: pad instead)
 
 
-def flashmla_per_token(q, kv, idx, sm):
-    """FlashMLA's sparse prefill on the same tensors (``flashmla_sm90``, benchmarks/flashmla/build.py): out."""
+def flashmla_call(q, kv, idx, sm):
+    """A call of FlashMLA's sparse prefill on these tensors (``flashmla_sm90``, benchmarks/flashmla/build.py), looked
+    up once, outside the timed call; it returns out."""
     from sparse_mla.bench.baselines import _flash_mla_module
 
     fm = _flash_mla_module()
     if fm is None:
         raise RuntimeError("FlashMLA is not importable: build it (benchmarks/flashmla/build.py) and put it on PYTHONPATH")
-    return fm.flash_mla_sparse_fwd(q, kv[:, None, :], idx[:, None, :], sm, d_v=D_V)[0]
+    kv3, idx3 = kv[:, None, :], idx[:, None, :]
+    return lambda: fm.flash_mla_sparse_fwd(q, kv3, idx3, sm, d_v=D_V)[0]
 
 
 def write_json(path, rows):
@@ -121,7 +129,7 @@ def per_token_rows(H, T, K, N, dev, names):
         if name == "flashmla" and H not in FLASHMLA_HEADS:
             continue
         if name == "flashmla":
-            fn = lambda: flashmla_per_token(q, kv, idx, sm)  # noqa: E731
+            fn = flashmla_call(q, kv, idx, sm)
             err = row_err(fn()[toks], ref)
         else:
             use(name)

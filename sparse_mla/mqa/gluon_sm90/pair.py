@@ -45,7 +45,8 @@ def _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, j, s_l: gl.conste
     row and -inf for a padded / out-of-range one. ``_scaled_logits`` applies it after the Q.K^T. Where it is loaded
     (results/gluon-v14-ab1.json, same run): per token before the tile's barrier waits (537 vs 525 TFLOP/s at 64
     heads, 554 vs 545 at 128), grouped once the tile's Q.K^T is issued (1.49 vs 1.54-1.61 ms at 16 heads; loaded
-    before a wait, the fence after the wait, a MEMBAR, waits for the load)."""
+    before a wait, the fence after the wait, a MEMBAR, waits for the load). An item's first tile loads them after
+    its Q.K^T issue in both modes (once per item)."""
     pos = j * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(0, s_l))
     in_list = pos < n_rows
     if GROUPED:
