@@ -6,7 +6,7 @@ query to 64 heads, run the per-token sparse MQA kernel on all 64, and project on
 latent through W_UV. The attention of the padded query is FlashMLA's own ``flash_mla_sparse_fwd`` when
 the ``flash_mla`` package is importable on a Hopper GPU (what engines run), else this package's fastest
 per-token kernel on that device, through the backend selection point (``sparse_mla.mqa.backends``: the
-Gluon kernel on Hopper, 0.96-0.97x of FlashMLA's speed per token in the same run: results/gluon-v14-full.json;
+Gluon kernel on Hopper, 0.96-0.98x of FlashMLA's speed per token in the same run: results/gluon-v14-full.json;
 the Triton one elsewhere).
 ``pad64_baseline_kind`` says which, and the bench records it per scenario. Defined only for H < 64 (at
 64 heads and more nothing is padded).
