@@ -89,13 +89,13 @@ FLASHMLA_HEADS = (64, 128)  # the head counts FlashMLA's SM90 sparse prefill tak
 def flashmla_call(q, kv, idx, sm):
     """A call of FlashMLA's sparse prefill on these tensors (``flashmla_sm90``, benchmarks/flashmla/build.py), looked
     up once, outside the timed call; it returns out."""
-    from sparse_mla.bench.baselines import _flash_mla_module
+    from sparse_mla.bench.baselines import flash_mla_fwd
 
-    fm = _flash_mla_module()
+    fm = flash_mla_fwd()
     if fm is None:
         raise RuntimeError("FlashMLA is not importable: build it (benchmarks/flashmla/build.py) and put it on PYTHONPATH")
     kv3, idx3 = kv[:, None, :], idx[:, None, :]
-    return lambda: fm.flash_mla_sparse_fwd(q, kv3, idx3, sm, d_v=D_V)[0]
+    return lambda: fm(q, kv3, idx3, sm, d_v=D_V)[0]
 
 
 def write_json(path, rows):

@@ -18,7 +18,8 @@ import torch
 
 import sparse_mla
 from sparse_mla import launch_cache
-from sparse_mla.bench.op import OpCase, case_inputs, flashmla_module, host_time_us, provenance, replay_status
+from sparse_mla.bench.baselines import flash_mla_fwd
+from sparse_mla.bench.op import OpCase, case_inputs, host_time_us, provenance, replay_status
 
 
 def calls_for(T: int, H: int) -> dict:
@@ -33,7 +34,7 @@ def calls_for(T: int, H: int) -> dict:
         "sparse_mla_fwd grouped": lambda: sparse_mla.sparse_mla_fwd(q, kv, idx, s, method="grouped", workspace=ws, out=out),
         "flash_mla_sparse_fwd": lambda: sparse_mla.flash_mla_sparse_fwd(q, kv[:, None], idx[:, None], s, out=out),
     }
-    fm = flashmla_module()
+    fm = flash_mla_fwd()
     if fm is not None:
         qp = torch.zeros(T, 64, 576, dtype=q.dtype, device="cuda")
         qp[:, :H] = q

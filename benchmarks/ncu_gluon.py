@@ -47,12 +47,12 @@ def main():
     if a.kernel == "flashmla":
         if kw:
             raise SystemExit("--kernel flashmla takes a bf16 cache only (FlashMLA's sparse prefill)")
-        from sparse_mla.bench.baselines import _flash_mla_module
+        from sparse_mla.bench.baselines import flash_mla_fwd
 
-        fm = _flash_mla_module()
+        fm = flash_mla_fwd()
         if fm is None:
             raise SystemExit("FlashMLA is not importable: build it with benchmarks/flashmla/build.py, put it on PYTHONPATH")
-        call = lambda: fm.flash_mla_sparse_fwd(q, kv[:, None, :], idx[:, None, :], 576 ** -0.5, d_v=512)  # noqa: E731
+        call = lambda: fm(q, kv[:, None, :], idx[:, None, :], 576 ** -0.5, d_v=512)  # noqa: E731
     else:
         call = lambda: sparse_mla_fwd(q, kv, idx, 576 ** -0.5, **kw)  # noqa: E731
     for _ in range(3):

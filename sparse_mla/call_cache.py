@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import env, launch_cache
+from . import checks, env, launch_cache
 
 ENABLED = True
 CHECKED = False
@@ -92,6 +92,11 @@ def _drop_token(tok: int) -> None:
     for plans in _ALL_PLANS:
         for key in [k for k in plans if any(p == mark or type(p) is tuple and p[-1:] == (mark, ) for p in k[0])]:
             del plans[key]
+
+
+def generation() -> int:
+    """Bumped by every ``invalidate()``: a cache of a choice that a rule change can alter keys on it too."""
+    return _GENERATION[0]
 
 
 def invalidate() -> None:
@@ -141,9 +146,8 @@ def _replayable_device(t: torch.Tensor) -> bool:
 
 def _extent(t: torch.Tensor) -> int:
     """Bytes from t.data_ptr() to one past its last element (0 for an empty tensor)."""
-    if t.numel() == 0:
-        return 0
-    return (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+    _, first, end = checks._byte_span(t)
+    return end - first
 
 
 def _active() -> bool:
@@ -476,6 +480,7 @@ def replayed(written: tuple[str, ...] = ()):
     return deco
 
 
+@functools.cache
 def _driver():
     """Triton's active driver (its current-stream query is the launches' stream)."""
     from triton.runtime import driver
@@ -511,4 +516,4 @@ def status(fn) -> dict:
             "retrying": [p.reason for p in failed if p.count < MAX_ATTEMPTS]}
 
 
-__all__ = ["ENABLED", "CHECKED", "MAX_ATTEMPTS", "replayed", "invalidate", "status"]
+__all__ = ["ENABLED", "CHECKED", "MAX_ATTEMPTS", "replayed", "invalidate", "generation", "status"]

@@ -54,6 +54,24 @@ def _flash_mla_module():
     return types.SimpleNamespace(flash_mla_sparse_fwd=flashmla_sm90.sparse_prefill_fwd)
 
 
+FLASHMLA_TOPK_MULTIPLE = 64  # FlashMLA's SM90 sparse prefill walks the lists in 64-row tiles (no remainder path)
+
+
+def flash_mla_fwd():
+    """FlashMLA's ``flash_mla_sparse_fwd(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)`` when importable
+    (``_flash_mla_module``), else None."""
+    fm = _flash_mla_module()
+    return None if fm is None else fm.flash_mla_sparse_fwd
+
+
+def flash_mla_takes(device: torch.device, topk: int | None = None, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether FlashMLA's SM90 sparse prefill runs this call here: FlashMLA importable, a Hopper GPU, bf16, topk a
+    multiple of its 64-row tile."""
+    device = torch.device(device)
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and dtype == torch.bfloat16
+            and (topk is None or topk % FLASHMLA_TOPK_MULTIPLE == 0) and _flash_mla_module() is not None)
+
+
 def pad64_baseline_kind(device: torch.device, kv_format: str | None = None, *, topk: int | None = None,
                         dtype: torch.dtype = torch.bfloat16) -> str:
     """Which kernel the pad-64 baseline runs on ``device``: "flash_mla" (FlashMLA installed, Hopper GPU, and a call
@@ -61,9 +79,7 @@ def pad64_baseline_kind(device: torch.device, kv_format: str | None = None, *, t
     package's per-token kernel that the selection point picks for 64 heads); with an FP8 ``kv_format``, prefixed
     "dequant+" (the windows are dequantized to bf16 first, ``dequantize_windows``)."""
     prefix = "" if kv_format is None else "dequant+"
-    takes = dtype == torch.bfloat16 and (topk is None or topk % 64 == 0)
-    if (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and takes
-            and _flash_mla_module() is not None):
+    if flash_mla_takes(device, topk, dtype):
         return prefix + "flash_mla"
     from ..mqa.backends import gluon_sm90_device_applies
 

@@ -35,9 +35,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .baselines import PAD_HEADS, flash_mla_fwd, flash_mla_takes
+
 MATMUL_TFLOPS = 790.0  # bf16 dense matmul measured on the H200 (docs/notes/measuring.md)
 COPY_TBPS = 4.3  # device copy measured on the H200
-PAD_HEADS = 64  # FlashMLA's sparse prefill head minimum
 CALLS = ("per_token", "grouped", "auto", "drop_in", "flashmla")
 CHECK_TOKENS = 96  # tokens sampled for the per-row check
 ROW_TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3}  # per (token, head) row: |out - ref| / |ref|
@@ -176,33 +177,10 @@ def case_inputs(case: OpCase, device, dtype: torch.dtype) -> dict:
                 sm_scale=case.d_qk ** -0.5, T=T, N=N, kv_fp8=kv_fp8)
 
 
-def flashmla_module():
-    """FlashMLA's SM90 sparse prefill when importable: the ``flashmla_sm90`` extension that
-    ``benchmarks/flashmla/build.py`` builds, else a ``flash_mla`` package; None otherwise."""
-    try:
-        import flashmla_sm90
-
-        return flashmla_sm90.sparse_prefill_fwd
-    except ImportError:
-        pass
-    try:
-        import flash_mla
-
-        return flash_mla.flash_mla_sparse_fwd
-    except ImportError:
-        return None
-
-
-FLASHMLA_TOPK_MULTIPLE = 64  # FlashMLA's SM90 sparse prefill walks the lists in 64-row tiles (no remainder path)
-
-
 def baseline_kind(device, topk: int | None = None, dtype: torch.dtype = torch.bfloat16) -> str:
-    """"flashmla" (FlashMLA importable on a Hopper GPU, and a call it takes: bf16, topk a multiple of 64) or
-    "pad64_sparse_mla" (this package's per-token call on the same padded q)."""
-    dev = torch.device(device)
-    ok = dev.type == "cuda" and torch.cuda.get_device_capability(dev)[0] == 9 and flashmla_module() is not None
-    ok = ok and dtype == torch.bfloat16 and (topk is None or topk % FLASHMLA_TOPK_MULTIPLE == 0)
-    return "flashmla" if ok else "pad64_sparse_mla"
+    """"flashmla" (FlashMLA runs the call here: ``baselines.flash_mla_takes``) or "pad64_sparse_mla" (this package's
+    per-token call on the same padded q)."""
+    return "flashmla" if flash_mla_takes(device, topk, dtype) else "pad64_sparse_mla"
 
 
 def useful_flops(inp: dict, heads: int, d_qk: int) -> float:
@@ -279,7 +257,7 @@ def make_calls(case: OpCase, inp: dict) -> dict:
     if inp["attn_sink"] is not None:
         sinkp = torch.full((heads,), -math.inf, device=q.device)
         sinkp[:H] = inp["attn_sink"]
-    fm = flashmla_module() if baseline_kind(q.device, idx.shape[1], q.dtype) == "flashmla" else None
+    fm = flash_mla_fwd() if baseline_kind(q.device, idx.shape[1], q.dtype) == "flashmla" else None
     if fm is not None:
         kv3, idx3 = kv[:, None], idx[:, None]
         calls["flashmla"] = lambda: fm(qp, kv3, idx3, inp["sm_scale"], 512, sinkp, inp["topk_length"])[0][:, :H]
@@ -309,10 +287,11 @@ def _fp8_calls(inp: dict, common: dict) -> dict:
     heads = PAD_HEADS if H <= PAD_HEADS else 128
     qp = torch.zeros(T, heads, q.shape[2], dtype=q.dtype, device=q.device)
     qp[:, :H] = q
-    fm = flashmla_module() if baseline_kind(q.device, idx.shape[1], q.dtype) == "flashmla" else None
+    fm = flash_mla_fwd() if baseline_kind(q.device, idx.shape[1], q.dtype) == "flashmla" else None
+    rows_buf = torch.empty(kv8.shape[0], kvb.shape[1], dtype=q.dtype, device=q.device)  # the engines' workspace
 
     def engines():
-        rows = dequantize_rows(kv8, q.dtype)
+        rows = dequantize_rows(kv8, q.dtype, out=rows_buf)
         if fm is not None:
             return fm(qp, rows[:, None], idx[:, None], inp["sm_scale"], 512, None, inp["topk_length"])[0][:, :H]
         return sparse_mla_fwd(qp, rows, idx, inp["sm_scale"], method="per_token", topk_length=inp["topk_length"])[:, :H]

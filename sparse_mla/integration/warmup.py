@@ -95,13 +95,12 @@ def _int_class(value: int) -> str:
     return "1" if value == 1 else ("16" if value % 16 == 0 else "other")
 
 
-def step_shape_reps(group_size: int, max_tokens: int, max_requests: int,
-                    workspace_max_groups: int | None) -> list[tuple[int, int | None]]:
+def step_shape_reps(group_size: int, max_tokens: int, max_requests: int) -> list[tuple[int, int | None]]:
     """One (T, B) per specialization class of the integers a grouped step passes to its kernels.
 
     B None = token-major layout (no cu_seqlens_q). The classes (``_int_class``) are those of T,
-    of the group count (``workspace_max_groups`` within requests when the engine passes a
-    workspace, else ceil(T / G)), of B, and B's power of two (the planner's block). Conservative:
+    of the group count ceil(T / G) (the groups a step plans, with or without a workspace), of B, and B's
+    power of two (the planner's block); plus one step per layout that runs the overlap probe. Conservative:
     every class is covered whether or not a kernel specializes on it. Classes repeat with period
     16 * G in T, so T up to 32 * G + 16 and every B up to ``max_requests`` cover all steps.
     """
@@ -257,7 +256,7 @@ def warmup(
     gen = torch.Generator(device="cpu").manual_seed(0)
     scale = d_qk**-0.5
     cap = workspace.max_tokens if workspace is not None else max_tokens
-    reps = step_shape_reps(G, cap, max_requests, workspace.max_groups if workspace is not None else None)
+    reps = step_shape_reps(G, cap, max_requests)
     # per-token launches: a short step, and one past the token count above which few-head steps switch from
     # the Gluon to the Triton kernel on the split schedule (sparse_mla.mqa.backends.triton_small_tiles_win), so that
     # whichever kernels the selection takes are compiled

@@ -69,7 +69,8 @@ def _too_big(what: str, nbytes: int, cap: int) -> str:
 
 def window_rows(p: DSAPrefillProblem) -> tuple[torch.Tensor | slice, list[int]]:
     """The cache rows of every request's window, concatenated request by request, and where each
-    request starts in that concatenation. A slice when the windows are adjacent (no gather)."""
+    request starts in that concatenation. A slice when the windows are adjacent (always for one request: no
+    gather), else int64 row ids built on the host and copied to the cache's device in one transfer."""
     starts, acc, rows = [], 0, []
     for o, L in zip(p.row_offsets, p.step.windows):
         starts.append(acc)
@@ -77,8 +78,8 @@ def window_rows(p: DSAPrefillProblem) -> tuple[torch.Tensor | slice, list[int]]:
         rows.append((o, L))
     if all(rows[b][0] == rows[0][0] + starts[b] for b in range(len(rows))):
         return slice(rows[0][0], rows[0][0] + acc), starts
-    dev = p.cache_device
-    return torch.cat([torch.arange(o, o + L, device=dev) for o, L in rows]), starts
+    ids = torch.cat([torch.arange(o, o + L) for o, L in rows])
+    return to_device_async(ids, p.cache_device), starts
 
 
 def decompress(p: DSAPrefillProblem, rows: torch.Tensor | slice,
@@ -231,7 +232,7 @@ def absorb_queries(p: DSAPrefillProblem, q_heads: int | None = None) -> torch.Te
 
 
 def absorbed_mqa(p: DSAPrefillProblem, out: torch.Tensor, method: str, q_heads: int | None = None,
-                 attention=None, staged: bool | None = None) -> torch.Tensor:
+                 attention=None) -> torch.Tensor:
     """The absorbed (MQA) form of the step, written into ``out`` [T, H, v_head_dim] (q's dtype):
     ``absorb_queries`` -> ``sparse_mla_fwd(method=method)`` over the latent rows [N, r + qk_rope]
     (entries outside each token's causal window turned into padding, groups inside requests) ->
@@ -248,8 +249,6 @@ def absorbed_mqa(p: DSAPrefillProblem, out: torch.Tensor, method: str, q_heads: 
             the benchmark passes FlashMLA's kernel behind an adapter when it is installed). It receives
             ``kv_format=`` and ``kv_dequant="in_kernel"`` only for an FP8 cache on the in-kernel route (then the
             rows are the cache's bytes).
-        staged: an FP8 cache's route: None (``sparse_mla.layer.staging.choose_route``, honouring the problem's
-            ``kv_dequant``), True (the windows staged to q's dtype first), False (dequantized in the kernel).
     """
     from ..mqa.interface import sparse_mla_fwd
 
@@ -263,8 +262,7 @@ def absorbed_mqa(p: DSAPrefillProblem, out: torch.Tensor, method: str, q_heads: 
         from .staging import choose_route, stage_windows  # decorates the staging kernel: on first use
 
         G = default_group_size(H) if method == "grouped" else 1
-        route, why = choose_route(p, method == "grouped", G) if staged is None else (
-            ("staged", "the caller stages") if staged else ("in_kernel", "the caller dequantizes in the kernel"))
+        route, why = choose_route(p, method == "grouped", G)
         logger.debug("dsa_prefill: FP8 cache, %s route (%s)", route, why)
         if route == "staged":
             p = stage_windows(p)

@@ -15,6 +15,7 @@ import torch
 from ..kv_format import FP8_DS_MLA
 from ..kv_staging import GROUPED_UNION_RATIO_ESTIMATE, choose_kv_dequant, dequantize_rows
 from .host import to_device_async
+from .paths import window_rows
 from .problem import DSAPrefillProblem, causal_sums, token_windows
 
 
@@ -52,28 +53,19 @@ def stage_windows(p: DSAPrefillProblem) -> DSAPrefillProblem:
     if p.kv_format is None:
         raise ValueError("stage_windows needs an FP8 cache (kv_format), got plain rows")
     dev = p.q_nope.device
-    starts, acc = [], 0
-    for L in p.step.windows:
-        starts.append(acc)
-        acc += L
+    rows, starts = window_rows(p)
     r = p.step.kv_lora_rank
     step = dataclasses.replace(p.step, kv_format=None)
-    row0 = p.row_offsets[0]
-    if all(o == row0 + s for o, s in zip(p.row_offsets, starts)):  # adjacent windows: one slice, indices shifted
-        kv = dequantize_rows(p.kv_rows, p.q_nope.dtype, slice(row0, row0 + acc))
+    kv = dequantize_rows(p.kv_rows, p.q_nope.dtype, rows)
+    if isinstance(rows, slice):  # adjacent windows (one request always): the indices shifted by the first row
+        row0 = rows.start
         # an entry outside its token's window stays outside it (the MQA paths pad it: restrict_to_windows)
         idx = p.indices if row0 == 0 else torch.where(p.indices >= row0, p.indices - row0, -1)
         return dataclasses.replace(p, kv_c=kv[:, :r], k_pe=kv[:, r:], kv_rows=kv, indices=idx,
                                    row_offsets=tuple(starts), step=step, kv_format=None)
-    else:
-        ids = torch.cat([torch.arange(o, o + L, dtype=torch.int32) for o, L in zip(p.row_offsets, p.step.windows)])
-        kv = dequantize_rows(p.kv_rows, p.q_nope.dtype, to_device_async(ids, dev))
     lo, win = token_windows(p.step.new_lens, p.step.cached_lens, p.row_offsets, dev)
-    if len(starts) == 1:
-        shift = -lo[:, None]  # starts[0] == 0
-    else:
-        start = torch.repeat_interleave(torch.tensor(starts, dtype=torch.int64), torch.tensor(p.step.new_lens))
-        shift = (to_device_async(start, dev) - lo)[:, None]
+    start = torch.repeat_interleave(torch.tensor(starts, dtype=torch.int64), torch.tensor(p.step.new_lens))
+    shift = (to_device_async(start, dev) - lo)[:, None]
     inside = (p.indices >= lo[:, None]) & (p.indices < (lo + win)[:, None])
     idx = torch.where(inside, p.indices + shift, -1).to(torch.int32)
     return dataclasses.replace(p, kv_c=kv[:, :r], k_pe=kv[:, r:], kv_rows=kv, indices=idx, row_offsets=tuple(starts),

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import env
+from .. import call_cache, env
 from . import cuda_smem, triton_tl
 from .grouping import default_group_size, overlap_guard_ratio
 
@@ -165,7 +165,9 @@ def describe_for_step(num_heads: int, topk: int, device: torch.device | None = N
     return describe_union_backend(device, G, topk, overlap_guard_ratio(G))
 
 
-_CHOSEN: dict = {}  # build_union's choice per (device, G, K, guard, complete, switch, interpreter): device facts are fixed
+# build_union's choice per (device, G, K, guard, complete, switch, interpreter, call_cache generation): device facts are
+# fixed; a changed rule or table is announced by call_cache.invalidate()
+_CHOSEN: dict = {}
 
 
 def build_union(
@@ -184,7 +186,7 @@ def build_union(
     route 1 (its rows run per token); with ``complete=True`` that cannot happen (selection).
     """
     key = (str(indices.device), group_size, indices.shape[1], guard_ratio, complete, env.get(env.UNION_BACKEND),
-           env.interpreted())
+           env.interpreted(), call_cache.generation())
     chosen = _CHOSEN.get(key)
     if chosen is None:
         chosen = _CHOSEN[key] = select_union_backend(indices.device, group_size, indices.shape[1],

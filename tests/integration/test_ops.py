@@ -159,26 +159,26 @@ def test_fwd_out_rejects_foreign_workspace():
         torch.ops.sparse_mla.fwd_out(p.q, p.kv, p.indices, out, lse, bad, p.sm_scale, method="grouped")
 
 
-@pytest.mark.parametrize("G,ws_groups", [(2, None), (8, None), (4, 17)], ids=["G2-per-call-ws", "G8-per-call-ws", "G4-engine-ws"])
-def test_step_shape_reps_cover_every_step_shape(G, ws_groups):
+@pytest.mark.parametrize("G", [2, 8, 4])
+def test_step_shape_reps_cover_every_step_shape(G):
     """Every (T, B) a step can have falls in the class of one shape that warmup runs (brute force over all
     T up to max_tokens, past the 32 * G + 16 rows that step_shape_reps scans): the integer classes of T, of the
-    ceil(T / G) groups it plans and of B (and B's power of two), and, for a step that plans enough groups to run
-    the overlap probe, the probe's variant per layout (its integers are run-time values)."""
+    ceil(T / G) groups it plans and of B (and B's power of two), one shape per class; and, for the steps that plan
+    enough groups to run the overlap probe, one probe shape per layout (the probe's integers are run-time values)."""
     from sparse_mla.union.probe import PROBE_MIN_GROUPS
 
     max_tokens, max_requests = 600 if G > 2 else 200, 70
+    layout = lambda B: None if B is None else (_int_class(B), 1 << (B - 1).bit_length())  # noqa: E731
+    cls = lambda T, B: (_int_class(T), _int_class(-(-T // G)), layout(B))  # noqa: E731
+    probes = lambda T: -(-T // G) >= PROBE_MIN_GROUPS  # noqa: E731
 
-    def key(T, B):
-        b = None if B is None else (_int_class(B), 1 << (B - 1).bit_length())
-        if -(-T // G) >= PROBE_MIN_GROUPS:
-            return ("probe", b)
-        return (_int_class(T), _int_class(-(-T // G)), b)
-
-    reps = step_shape_reps(G, max_tokens, max_requests, ws_groups)
-    warmed = {key(T, B) for T, B in reps}
-    needed = {key(T, B) for T in range(1, max_tokens + 1) for B in [None, *range(1, max_requests + 1)]}
-    assert needed <= warmed, f"not warmed: {sorted(needed - warmed, key=str)[:5]}"
+    reps = step_shape_reps(G, max_tokens, max_requests)
+    steps = [(T, B) for T in range(1, max_tokens + 1) for B in [None, *range(1, max_requests + 1)]]
+    classes = {cls(T, B) for T, B in reps}
+    assert classes == {cls(T, B) for T, B in steps}, "every class warmed, no other"
+    probe_layouts = {layout(B) for T, B in steps if probes(T)}
+    assert {layout(B) for T, B in reps if probes(T)} == probe_layouts
+    assert len(reps) == len(classes) + len(probe_layouts), "one shape per class, plus one probe shape per layout"
     assert all_of((T <= max_tokens and (B is None or B <= max_requests) for T, B in reps), "step_shape_reps")
 
 
@@ -193,11 +193,11 @@ def test_warmup_runs_every_variant_on_cpu():
     rep = warmup(64, 576, 16, DTYPE, DEVICE, 4, max_requests=3, num_kv_rows=40, workspace=ws,
                  return_lse=(True,), topk_length=(True,), block_size=16)
     assert isinstance(rep, WarmupReport)
-    assert rep.calls == 1 + len(step_shape_reps(2, 4, 3, ws.max_groups)) + 2
+    assert rep.calls == 1 + len(step_shape_reps(2, 4, 3)) + 2
     assert rep.new_variants == {k: 0 for k in compiled_variant_counts()}
     rep2 = warmup(64, 576, 16, DTYPE, DEVICE, 4, max_requests=1, num_kv_rows=40, return_lse=(True,),
                   topk_length=(False,), attn_sink=(False, True), max_logits=(True,), converter=False)
-    assert rep2.calls == 2 * (1 + len(step_shape_reps(2, 4, 1, None)))  # per-token + grouped steps, x2 sink modes
+    assert rep2.calls == 2 * (1 + len(step_shape_reps(2, 4, 1)))  # per-token + grouped steps, x2 sink modes
     with pytest.raises(ValueError, match="num_kv_rows"):
         warmup(64, 576, 16, DTYPE, DEVICE, 8)
     with pytest.raises(ValueError, match="workspace does not fit"):

@@ -124,7 +124,7 @@ def test_many_tokens_grid(monkeypatch):
     monkeypatch.setattr(selection, "GROUPING_RULES", (selection.GroupingRule(128, 1), ))
     flash_mla_sparse_fwd(q, kv, idx, 0.5, attn_sink=torch.zeros(2, device=DEVICE), topk_length=lens)
     assert_grids_within_cuda_limits(grids)
-    assert any(name == "sparse_mla_union_smem" or "union" in name for name, _ in grids), grids
+    assert any("union" in name for name, _ in grids), grids  # the Triton builder or the CUDA one (sparse_mla_union_smem)
 
 
 # ------------------------------------------------------------------------------- conventions and semantics

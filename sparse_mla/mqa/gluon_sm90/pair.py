@@ -30,16 +30,6 @@ from .signature import DO_NOT_SPECIALIZE
 _NEG: gl.constexpr = gl.constexpr(-1.0e30)  # finite "no row yet" max: no inf - inf, no 0 * inf
 
 @gluon.jit
-def _vec_store(smem, x):
-    """Store a [64] row vector to shared memory from its own (row-slice) layout: no layout conversion, whose
-    round trip through scratch memory costs two barriers; the lanes that hold a row store the same value."""
-    smem.store(x)
-
-@gluon.jit
-def _vec_load(smem, layout: gl.constexpr):
-    return smem.load(layout)
-
-@gluon.jit
 def _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, j, s_l: gl.constexpr, GROUPED: gl.constexpr):
     """Per kv column of tile j: the membership word (grouped), or per token the additive mask, 0.0 for a valid
     row and -inf for a padded / out-of-range one. ``_scaled_logits`` applies it after the Q.K^T. Where it is loaded
@@ -170,10 +160,10 @@ def _pair_epilogue(o, l_own, m_i, l_mine, l_other, bars, it, q_v, q_bars, out_pt
     it: the next item starts with its Q, which the producer loads after both warpgroups freed this one's."""
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
     rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
-    _vec_store(l_mine, l_own)
+    l_mine.store(l_own)
     _pair_release(bars.index(5 + WG))
     mbarrier.wait(bars.index(6 - WG), it & 1)
-    l_i = gl.convert_layout(l_own, rows_o) + _vec_load(l_other, rows_o)
+    l_i = gl.convert_layout(l_own, rows_o) + l_other.load(rows_o)
     p_o, tok, hh = _pseudo_heads(mb, tok0, H, rows_o, GROUPED)
     row_ok = p_o < n_heads
     m_o = gl.convert_layout(m_i, rows_o)
@@ -224,7 +214,7 @@ def _pair_wg0_step(s, cols, o, m_i, l_i, i, k, q_v, q_r, ring_l, ring_h, ring_r,
     st1 = 1 - z
     s = _scaled_logits(s, cols, row_bit, qk_scale, GROUPED)
     m0 = gl.maximum(m_i, gl.max(s, axis=1))
-    _vec_store(s_m0, m0)
+    s_m0.store(m0)
     _pair_release(bars.index(0))  # m0 ready
     p = gl.exp2(s - m0[:, None])
     alpha = gl.exp2(m_i - m0)
@@ -236,7 +226,7 @@ def _pair_wg0_step(s, cols, o, m_i, l_i, i, k, q_v, q_r, ring_l, ring_h, ring_r,
     o, a_op = warpgroup_mma_wait(num_outstanding=0, deps=(o, a_op))
     _pair_release(hb.index(4))  # L0 free
     mbarrier.wait(bars.index(1), k & 1)  # m1 ready
-    m1 = _vec_load(s_m1, rows_s)
+    m1 = s_m1.load(rows_s)
     beta = gl.exp2(m0 - m1)
     s_p0.store((pb.to(gl.float32) * beta[:, None]).to(dt))  # P0 at the common max m1, for warpgroup 1
     fence_async_shared()
@@ -371,8 +361,8 @@ def _pair_wg1(q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
                 s = _scaled_logits(s, cols, row_bit, qk_scale, GROUPED)
                 mbarrier.wait(bars.index(0), kk & 1)  # m0 ready
-                m1 = gl.maximum(_vec_load(s_m0, rows_s), gl.max(s, axis=1))
-                _vec_store(s_m1, m1)
+                m1 = gl.maximum(s_m0.load(rows_s), gl.max(s, axis=1))
+                s_m1.store(m1)
                 _pair_release(bars.index(1))  # m1 ready
                 p = gl.exp2(s - m1[:, None])
                 alpha = gl.exp2(m_i - m1)
@@ -423,6 +413,8 @@ def sparse_mqa_sm90_pair_kernel(
         q_r = q_v
         ring_r = ring_l
         s_p0 = gl.allocate_shared_memory(dt, [_BH, _BN], smem_l)
+    # the [64] row vectors are stored and loaded in their own row-slice layout (no convert_layout: its round trip
+    # through scratch memory costs two barriers; the lanes that hold a row store the same value)
     s_m0 = gl.allocate_shared_memory(gl.float32, [_BH], vec_l)
     s_m1 = gl.allocate_shared_memory(gl.float32, [_BH], vec_l)
     s_l0 = gl.allocate_shared_memory(gl.float32, [_BH], vec_l)
