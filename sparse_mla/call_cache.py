@@ -480,7 +480,6 @@ def replayed(written: tuple[str, ...] = ()):
     return deco
 
 
-@functools.cache
 def _driver():
     """Triton's active driver (its current-stream query is the launches' stream)."""
     from triton.runtime import driver
