@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from ..union.grouping import default_group_size
 from .host import to_device_async
-from .problem import DSAPrefillProblem, PrefillStep, restrict_to_windows, token_windows
+from .problem import DSAPrefillProblem, PrefillStep, restrict_to_windows, token_windows, window_rows
 
 logger = logging.getLogger("sparse_mla")
 
@@ -65,21 +65,6 @@ def mask_bytes(step: PrefillStep) -> int:
 
 def _too_big(what: str, nbytes: int, cap: int) -> str:
     return f"{what} {nbytes / 2**30:.1f} GiB > cap {cap / 2**30:.0f} GiB"
-
-
-def window_rows(p: DSAPrefillProblem) -> tuple[torch.Tensor | slice, list[int]]:
-    """The cache rows of every request's window, concatenated request by request, and where each
-    request starts in that concatenation. A slice when the windows are adjacent (always for one request: no
-    gather), else int64 row ids built on the host and copied to the cache's device in one transfer."""
-    starts, acc, rows = [], 0, []
-    for o, L in zip(p.row_offsets, p.step.windows):
-        starts.append(acc)
-        acc += L
-        rows.append((o, L))
-    if all(rows[b][0] == rows[0][0] + starts[b] for b in range(len(rows))):
-        return slice(rows[0][0], rows[0][0] + acc), starts
-    ids = torch.cat([torch.arange(o, o + L) for o, L in rows])
-    return to_device_async(ids, p.cache_device), starts
 
 
 def decompress(p: DSAPrefillProblem, rows: torch.Tensor | slice,

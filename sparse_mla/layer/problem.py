@@ -240,6 +240,21 @@ class DSAPrefillProblem:
         return pe if pe.dtype == self.q_nope.dtype else pe.to(self.q_nope.dtype)
 
 
+def window_rows(p: DSAPrefillProblem) -> tuple[torch.Tensor | slice, list[int]]:
+    """The cache rows of every request's window, concatenated request by request, and where each
+    request starts in that concatenation. A slice when the windows are adjacent (always for one request: no
+    gather), else int64 row ids built on the host and copied to the cache's device in one transfer."""
+    starts, acc, rows = [], 0, []
+    for o, L in zip(p.row_offsets, p.step.windows):
+        starts.append(acc)
+        acc += L
+        rows.append((o, L))
+    if all(rows[b][0] == rows[0][0] + starts[b] for b in range(len(rows))):
+        return slice(rows[0][0], rows[0][0] + acc), starts
+    ids = torch.cat([torch.arange(o, o + L) for o, L in rows])
+    return to_device_async(ids, p.cache_device), starts
+
+
 def token_windows(new_lens: Sequence[int], cached_lens: Sequence[int], row_offsets: Sequence[int],
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per new token: (lo [T] int64, win [T] int64) on ``device``; token i of request b may see the

@@ -15,8 +15,7 @@ import torch
 from ..kv_format import FP8_DS_MLA
 from ..kv_staging import GROUPED_UNION_RATIO_ESTIMATE, choose_kv_dequant, dequantize_rows
 from .host import to_device_async
-from .paths import window_rows
-from .problem import DSAPrefillProblem, causal_sums, token_windows
+from .problem import DSAPrefillProblem, causal_sums, token_windows, window_rows
 
 
 def window_rows_total(p: DSAPrefillProblem) -> int:
