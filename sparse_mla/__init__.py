@@ -7,6 +7,9 @@ Public entry points (semantics: ``sparse_mla.mqa.reference``; docs/DESIGN.md):
 * ``sparse_mla_ref``: the fp32 reference.
 * ``flash_mla_sparse_fwd``: drop-in for FlashMLA's ``flash_mla_sparse_fwd`` (its shapes, outputs
   (out, max_logits, lse) and conventions; any head count), with its fp32 reference ``flash_mla_sparse_ref``.
+* ``get_mla_metadata`` / ``flash_mla_with_kvcache``: drop-in for FlashMLA's sparse decode call (paged bf16 / fp16 or
+  ``fp8_ds_mla`` cache, indices [b, s_q, topk], lse [b, h_q, s_q]; any head count), with its fp32 reference
+  ``flash_mla_with_kvcache_ref``.
 * ``SparseMLAWorkspace``: preallocated scratch for the grouped path.
 * ``dsa_prefill`` / ``SparseMLAPrefill``: the layer-level prefill (dense MHA, masked MHA, grouped
   or per-token sparse MQA, chosen by a measured dispatcher), with its fp32 reference ``dsa_prefill_ref``.
@@ -30,6 +33,9 @@ _EXPORTS = {
     "sparse_mla_ref": "sparse_mla.mqa.reference",
     "flash_mla_sparse_fwd": "sparse_mla.mqa.flashmla_compat",
     "flash_mla_sparse_ref": "sparse_mla.mqa.flashmla_compat",
+    "get_mla_metadata": "sparse_mla.mqa.flashmla_decode",
+    "flash_mla_with_kvcache": "sparse_mla.mqa.flashmla_decode",
+    "flash_mla_with_kvcache_ref": "sparse_mla.mqa.flashmla_decode",
     "SparseMLAWorkspace": "sparse_mla.union.workspace",
     "default_group_size": "sparse_mla.union.grouping",
     "dsa_prefill": "sparse_mla.layer",

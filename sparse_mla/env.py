@@ -68,6 +68,7 @@ KERNEL_MODULES = (
     "sparse_mla.mqa.triton_tl",
     "sparse_mla.mqa.gluon_sm90",
     "sparse_mla.mqa.flashmla_compat",
+    "sparse_mla.mqa.split_combine",
     "sparse_mla.union.planning",
     "sparse_mla.union.triton_tl",
     "sparse_mla.union.probe",

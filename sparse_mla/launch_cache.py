@@ -1,7 +1,7 @@
 """Kernel launches with less host work: Triton's JIT once per variant, its compiled launcher after that.
 
 A Triton / Gluon launch through ``kernel[grid](*args)`` binds and specializes every argument, hashes a cache key
-and checks the kernel's globals before it calls the compiled launcher; for the 32-argument Gluon kernel that is most
+and checks the kernel's globals before it calls the compiled launcher; for the 33-argument Gluon kernel that is most
 of a short call's host time (docs/notes/default-call.md). ``LaunchCache`` keeps the ``CompiledKernel`` of each variant
 the first launch produced (through the JIT, so compilation, specialization and errors are Triton's own) under a key
 the caller computes, and later launches of the same key call ``CompiledKernel.run`` directly.

@@ -12,7 +12,8 @@ import sparse_mla
 PUBLIC = [
     "FP8_DS_MLA", "GroupUnion", "SparseMLAPrefill", "SparseMLAWorkspace", "__version__", "build_group_union",
     "default_group_size", "dsa_prefill", "dsa_prefill_ref", "flash_mla_sparse_fwd", "flash_mla_sparse_ref",
-    "shardq_sparse_mla_fwd", "sparse_mla_fwd", "sparse_mla_ref", "tp_sparse_mla_fwd", "zigzag_partition",
+    "flash_mla_with_kvcache", "flash_mla_with_kvcache_ref", "get_mla_metadata", "shardq_sparse_mla_fwd",
+    "sparse_mla_fwd", "sparse_mla_ref", "tp_sparse_mla_fwd", "zigzag_partition",
 ]
 
 # Where each top-level name lives (the lazy ``_EXPORTS`` of sparse_mla/__init__.py).
@@ -21,6 +22,9 @@ OWNERS = {
     "sparse_mla_ref": "sparse_mla.mqa.reference",
     "flash_mla_sparse_fwd": "sparse_mla.mqa.flashmla_compat",
     "flash_mla_sparse_ref": "sparse_mla.mqa.flashmla_compat",
+    "get_mla_metadata": "sparse_mla.mqa.flashmla_decode",
+    "flash_mla_with_kvcache": "sparse_mla.mqa.flashmla_decode",
+    "flash_mla_with_kvcache_ref": "sparse_mla.mqa.flashmla_decode",
     "build_group_union": "sparse_mla.union.interface",
     "GroupUnion": "sparse_mla.union.interface",
     "SparseMLAWorkspace": "sparse_mla.union.workspace",

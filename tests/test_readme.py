@@ -24,8 +24,8 @@ def test_use_section_has_the_documented_blocks():
     blocks = use_blocks()
     assert len(blocks) == 5, [b.splitlines()[0] for b in blocks]
     joined = "\n".join(blocks)
-    for call in ("sparse_mla_fwd(", "sparse_mla_ref(", "flash_mla_sparse_fwd(", "convert_req_index_to_global(",
-                 "dsa_prefill(", "explain(", 'kv_format="fp8_ds_mla"'):
+    for call in ("sparse_mla_fwd(", "sparse_mla_ref(", "flash_mla_sparse_fwd(", "flash_mla_with_kvcache(",
+                 "convert_req_index_to_global(", "dsa_prefill(", "explain(", 'kv_format="fp8_ds_mla"'):
         assert call in joined, call
 
 

@@ -33,7 +33,7 @@ import triton
 
 from ..checks import KERNEL_DTYPES, flatten_kv
 from ..kv_format import KV_FORMATS, check_kv_format
-from ..mqa import gluon_sm90
+from ..mqa import gluon_sm90, split_combine
 from ..mqa import triton_tl as sparse_mqa
 from ..mqa.backends import GLUON_FEW_HEADS_MAX_TOKENS
 from ..mqa.checks import SUPPORTED_D_QK
@@ -59,6 +59,7 @@ def warmed_kernels() -> dict[str, object]:
         "build_union": union._build_union_kernel,
         "union_probe": union_probe._probe_decide_apply_kernel,
         "convert_req_index": index_convert._convert_req_index_kernel,
+        "split_combine": split_combine._combine_splits_kernel,
     }
     if gluon_sm90.GLUON_IMPORT_ERROR is None:
         kernels["sparse_mqa_sm90"] = gluon_sm90.sparse_mqa_sm90_kernel
@@ -281,6 +282,15 @@ def warmup(
         for with_lse, with_tl, with_sink, with_ml in modes:
             sparse_mla_fwd(q_all[:T], kv, idx_all[:T], scale, method="per_token", return_lse=with_lse,
                            kv_format=kv_format, **extras(T, with_tl, with_sink, with_ml))
+            calls += 1
+    # split-KV launches (few-token steps: sparse_mla.mqa.kv_splits) and their combine, per token and grouped
+    T = min(2, cap)
+    for method in ("per_token", "grouped"):
+        for with_lse, with_tl, with_sink, with_ml in modes:
+            sparse_mla_fwd(q_all[:T], kv, idx_all[:T], scale, method=method, return_lse=with_lse, kv_format=kv_format,
+                           kv_splits=2, workspace=workspace if method == "grouped" else None,
+                           group_size=G if method == "grouped" else None,
+                           **extras(T, with_tl, with_sink, with_ml))
             calls += 1
     # grouped steps past that token count too: their per-token pass (route) switches kernel the same way
     reps = reps + [(T, None) for T in per_token_T if T > GLUON_FEW_HEADS_MAX_TOKENS]

@@ -11,4 +11,6 @@
 * ``interface``: the public function ``sparse_mla_fwd`` (``sparse_mla.sparse_mla_fwd``); ``checks``: its argument
   checks; ``selection``: per-token or grouped for ``method="auto"``.
 * ``flashmla_compat``: ``flash_mla_sparse_fwd``, the drop-in for FlashMLA's call, with its reference.
+* ``flashmla_decode``: ``get_mla_metadata`` / ``flash_mla_with_kvcache``, the drop-in for FlashMLA's sparse decode
+  call, with its reference.
 """

@@ -205,40 +205,69 @@ def _sink_fallback(name: str, why: str, attn_sink, max_logits) -> tuple[str, str
     return "triton", missing, extra
 
 
+def kv_split_missing(backend: str, *, grouped: bool, kv_fp8: bool) -> str | None:
+    """Why ``backend`` has no split-KV variant for such a launch, or None (the Triton kernel has one always; Gluon per
+    ``gluon_sm90.SUPPORTS_KV_SPLIT`` and ``gluon_sm90.kv_split_missing``)."""
+    if backend != "gluon_sm90":
+        return None
+    from . import gluon_sm90
+
+    if not getattr(gluon_sm90, "SUPPORTS_KV_SPLIT", False):
+        return "the Gluon kernel has no split-KV variant (gluon_sm90.SUPPORTS_KV_SPLIT is false)"
+    return gluon_sm90.kv_split_missing(grouped, kv_fp8)
+
+
+def _split_fallback(name: str, why: str, kv_split, kv, grouped: bool) -> tuple[str, str]:
+    """(backend, reason) once split-KV partials are asked for: a backend without a split variant for the launch hands
+    it to the Triton kernel; a forced gluon_sm90 without one raises."""
+    if kv_split is None:
+        return name, why
+    missing = kv_split_missing(name, grouped=grouped, kv_fp8=kv.dtype == torch.uint8)
+    if missing is None:
+        return name, why
+    if (env.get(env.MQA_BACKEND).strip() or "auto") == "gluon_sm90":
+        raise ValueError(f"{ENV_VAR}=gluon_sm90 but {missing}")
+    return "triton", missing
+
+
 def per_token(q, kv, indices, sm_scale: float, topk_length, out, lse, route=None, *,
-              attn_sink=None, max_logits=None) -> str:
+              attn_sink=None, max_logits=None, kv_split=None) -> str:
     """Per-token sparse MQA on validated tensors (``sparse_mla.mqa.interface.sparse_mla_fwd``): picks the
     backend, logs it, launches, and returns the backend's name.
 
     attn_sink: [H] fp32 contiguous or None; max_logits: [T, H] fp32 (heads contiguous) or None, written
-    when given. Semantics: ``sparse_mla.mqa.reference`` / ``triton_tl`` (module docstrings)."""
+    when given. kv_split: ``sparse_mla.mqa.split_combine.SplitPartials`` or None: the launch writes its partials
+    there (the caller combines). Semantics: ``sparse_mla.mqa.reference`` / ``triton_tl`` (module docstrings)."""
     name, why, extra = _sink_fallback(*select_backend(q, kv, out), attn_sink, max_logits)
+    name, why = _split_fallback(name, why, kv_split, kv, False)
     logger.debug("sparse MQA per-token: backend %s (%s)", name, why)
     if name == "gluon_sm90":
         from . import gluon_sm90
 
         gluon_sm90.launch(q, kv, indices, None, topk_length, None, None, route, out, lse, sm_scale,
-                          grouped=False, num_lists=q.shape[0], group_heads=q.shape[1], **extra)
+                          grouped=False, num_lists=q.shape[0], group_heads=q.shape[1], kv_split=kv_split, **extra)
     else:
-        triton_tl.sparse_mqa_per_token(q, kv, indices, sm_scale, topk_length, out, lse, route=route, **extra)
+        triton_tl.sparse_mqa_per_token(q, kv, indices, sm_scale, topk_length, out, lse, route=route, kv_split=kv_split,
+                                       **extra)
     return name
 
 
 def grouped(q, kv, sm_scale: float, group_size: int, union_rows, union_bits, union_len, group_start, group_len,
-            out, lse, *, attn_sink=None, max_logits=None) -> str:
+            out, lse, *, attn_sink=None, max_logits=None, kv_split=None) -> str:
     """Grouped sparse MQA (128 pseudo-heads = G queries x H heads over each group's union rows) on
     validated tensors; picks the backend, logs it, launches, and returns the backend's name.
-    attn_sink / max_logits as in ``per_token`` (pseudo-head p of a group uses attn_sink[p % H])."""
+    attn_sink / max_logits / kv_split as in ``per_token`` (pseudo-head p of a group uses attn_sink[p % H])."""
     name, why, extra = _sink_fallback(*select_backend(q, kv, out, pseudo_heads=group_size * q.shape[1]),
                                       attn_sink, max_logits)
+    name, why = _split_fallback(name, why, kv_split, kv, True)
     logger.debug("sparse MQA grouped: backend %s (%s)", name, why)
     if name == "gluon_sm90":
         from . import gluon_sm90
 
         gluon_sm90.launch(q, kv, union_rows, union_bits, union_len, group_start, group_len, None, out, lse,
                           sm_scale, grouped=True, num_lists=group_start.shape[0], group_heads=group_size * q.shape[1],
-                          **extra)
+                          kv_split=kv_split, **extra)
     else:
         triton_tl.sparse_mqa_grouped(q, kv, sm_scale, group_size, union_rows, union_bits, union_len, group_start,
-                                     group_len, out, lse, **extra)
+                                     group_len, out, lse, kv_split=kv_split, **extra)
     return name

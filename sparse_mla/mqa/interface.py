@@ -19,12 +19,14 @@ from ..kv_format import FP8_DS_MLA
 from ..kv_staging import GROUPED_UNION_RATIO_ESTIMATE, KV_DEQUANT_MODES, choose_kv_dequant, dequantize_rows
 from ..union import backends as union_backends
 from ..union import probe as union_probe
-from ..union.grouping import overlap_guard_ratio
+from ..union.grouping import default_group_size, overlap_guard_ratio
 from ..union.planning import plan_groups
 from ..union.workspace import SparseMLAWorkspace, cached_workspace
 from . import backends as mqa_backends
 from .checks import SparseMLAProblem, check_sink_and_max_logits, validate_fwd_buffers, validate_sparse_mla_args
+from .kv_splits import choose_kv_splits, num_sms, require_kv_splits
 from .selection import resolve_method
+from .split_combine import combine_splits, split_partials
 from .triton_tl import D_V
 
 logger = logging.getLogger("sparse_mla")
@@ -52,6 +54,7 @@ def sparse_mla_fwd(
     max_logits: torch.Tensor | None = None,
     kv_format: str | None = None,
     kv_dequant: str = "auto",
+    kv_splits: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sparse MLA prefill (MQA / absorbed form): each query attends to its own top-k kv rows.
 
@@ -111,6 +114,13 @@ def sparse_mla_fwd(
             gathers cost in its gather, within ``kv_staging.DEFAULT_MAX_STAGED_BYTES``), "staged" (always; the
             staged rows [N, 576] of q's dtype come from ``workspace``'s staging buffer when it holds them, else
             are allocated), or "in_kernel" (never: no staging memory). Ignored without kv_format.
+        kv_splits: split-KV: S programs share one work item's list of kv rows (the top-k of a query, or a group's
+            union), each writes a partial (out, lse, max logit) and one combine merges them exactly (lse-weighted;
+            attn_sink applied once, after the merge; ``sparse_mla.mqa.split_combine``). None (default): S from the
+            shape by ``sparse_mla.mqa.kv_splits.choose_kv_splits`` (work items against the SM count; 1 on a step
+            that fills the GPU, on the CPU, and where the backend that runs has no split variant); an int in
+            [1, 64] forces S (a backend without a split variant then hands the call to the Triton kernel).
+            ``explain_fwd`` says which S and why. The partial buffers ([S, T, H, 512] fp32) are allocated per call.
 
     Conventions (this API): a query with no valid row gets out 0, lse -inf, max_logits -inf.
     ``sparse_mla.flash_mla_sparse_fwd`` is the FlashMLA-compatible call (its shapes, lse +inf there).
@@ -138,7 +148,7 @@ def sparse_mla_fwd(
             attn_sink / max_logits of the wrong shape or dtype (TypeError for the dtype); an unknown
             kv_format; with kv_format="fp8_ds_mla" a kv whose rows are not 656 bytes or not 16-byte
             aligned, or D_qk != 576 (TypeError: kv not uint8 / float8_e4m3fn; a uint8 / float8 kv of
-            656-byte rows without kv_format).
+            656-byte rows without kv_format); kv_splits not None or an int in [1, 64] (TypeError for the type).
     """
     p = validate_sparse_mla_args(
         q, kv, indices, sm_scale, d_v=d_v, topk_length=topk_length, cu_seqlens_q=cu_seqlens_q, check=check,
@@ -146,6 +156,7 @@ def sparse_mla_fwd(
     )
     if kv_dequant not in KV_DEQUANT_MODES:
         raise ValueError(f"kv_dequant must be one of {KV_DEQUANT_MODES}, got {kv_dequant!r}")
+    require_kv_splits(kv_splits)
     T, H, D = p.q.shape
     chosen, reason = resolve_method(method, H, T, group_size)
     attn_sink = check_sink_and_max_logits(attn_sink, max_logits, T, H, q.device, check=check)
@@ -160,19 +171,58 @@ def sparse_mla_fwd(
         lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if p.kv_format is not None:
         p, reason = _fp8_route(p, kv_dequant, chosen == "grouped", G, workspace, reason)
+    S, split_reason = _choose_splits(p, chosen, G, out, kv_splits)
     if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("sparse_mla_fwd: T=%d H=%d K=%d kv_format=%s -> %s (%s)", T, H, p.topk, kv_format, chosen, reason)
+        logger.debug("sparse_mla_fwd: T=%d H=%d K=%d kv_format=%s -> %s (%s); kv splits %d (%s)", T, H, p.topk,
+                     kv_format, chosen, reason, S, split_reason)
     if T == 0:
         return (out, lse) if return_lse else out
 
-    extras = {"attn_sink": attn_sink, "max_logits": max_logits}
+    parts = split_partials(S, T, H, q.device, with_max_logits=max_logits is not None) if S > 1 else None
+    extras = {"attn_sink": attn_sink, "max_logits": max_logits, "kv_split": parts}
     if chosen == "per_token":
         mqa_backends.per_token(p.q, p.kv, p.indices, p.sm_scale, p.topk_length, out, lse, **extras)
     else:
         ws = workspace or cached_workspace(T, p.topk, G, p.num_kv_rows, q.device)
         guard = overlap_guard_ratio(G) if overlap_guard == -1.0 else overlap_guard
         _grouped_forward(p, G, ws, out, lse, guard, extras)
+    if parts is not None:
+        combine_splits(parts, out, lse, max_logits, attn_sink)
     return (out, lse) if return_lse else out
+
+
+def _choose_splits(p: SparseMLAProblem, chosen: str, G: int, out: torch.Tensor | None, kv_splits: int | None):
+    """(S, reason) of a validated call: ``choose_kv_splits`` on its work items (per token: T lists of H heads;
+    grouped: T / G lists of G * H pseudo-heads over about K * GROUPED_UNION_RATIO_ESTIMATE union rows)."""
+    T, H = p.num_tokens, p.num_heads
+    if chosen == "grouped":
+        lists, pseudo, rows = -(-T // G), G * H, int(p.topk * GROUPED_UNION_RATIO_ESTIMATE)
+    else:
+        lists, pseudo, rows = T, H, p.topk
+    capable = True
+    if kv_splits is None:
+        backend, _ = mqa_backends.select_backend(p.q, p.kv, out, pseudo_heads=pseudo)
+        capable = mqa_backends.kv_split_missing(backend, grouped=chosen == "grouped", kv_fp8=p.kv_format is not None) is None
+    return choose_kv_splits(kv_splits, num_lists=lists, pseudo_heads=pseudo, rows_per_list=rows,
+                            sms=num_sms(p.q.device), split_capable=capable)
+
+
+def explain_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float = 1.0, *,
+                method: str = "auto", group_size: int | None = None, kv_splits: int | None = None,
+                kv_format: str | None = None, cu_seqlens_q: torch.Tensor | None = None) -> str:
+    """What ``sparse_mla_fwd`` runs for these tensors and options, one line per decision (method, kv splits,
+    attention backend) with its reason; the same functions decide as in the call, nothing is launched.
+
+    Raises: what ``sparse_mla_fwd`` raises for bad arguments (before any decision)."""
+    p = validate_sparse_mla_args(q, kv, indices, sm_scale, cu_seqlens_q=cu_seqlens_q, kv_format=kv_format)
+    require_kv_splits(kv_splits)
+    T, H, _ = p.q.shape
+    chosen, reason = resolve_method(method, H, T, group_size)
+    G = (group_size or default_group_size(H)) if chosen == "grouped" else 1
+    S, split_reason = _choose_splits(p, chosen, G, None, kv_splits)
+    pseudo = G * H
+    return "\n".join([f"method: {chosen} ({reason})", f"kv splits: {S} ({split_reason})",
+                      mqa_backends.describe_backend(p.q, p.kv) + (f" [{pseudo} pseudo-heads per tile]")])
 
 
 def _fp8_route(p: SparseMLAProblem, mode: str, grouped: bool, G: int, workspace, reason: str):
@@ -207,4 +257,4 @@ def _grouped_forward(p, G: int, ws: SparseMLAWorkspace, out: torch.Tensor, lse: 
     mqa_backends.per_token(p.q, p.kv, p.indices, p.sm_scale, p.topk_length, out, lse, route=route, **extras)
 
 
-__all__ = ["sparse_mla_fwd", "D_V"]
+__all__ = ["sparse_mla_fwd", "explain_fwd", "D_V"]

@@ -65,14 +65,15 @@ def _load_fp8_nope(kv_row, offs_v, row_ok, out_dtype: tl.constexpr, SCALE_OFFSET
 def _sparse_mqa_fwd_kernel(
     Q, KV, IDX, TOPK_LEN, ROWS, BITS, ULEN, GROUP_START, GROUP_LEN, ROUTE, OUT, LSE, SINK, MAX_LOGITS,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_rg, stride_ot, stride_oh, stride_lt, stride_mt,
-    N, H, K, scale_log2,
+    N, H, K, scale_log2, num_splits, stride_os, stride_ls, stride_ms,
     GROUPED: tl.constexpr, HAS_TOPK_LEN: tl.constexpr, HAS_ROUTE: tl.constexpr,
     HAS_PE: tl.constexpr, GROUP_HEADS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, D_V: tl.constexpr, D_PE: tl.constexpr,
-    KV_FP8: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False, KV_SPLIT: tl.constexpr = False,
 ):
     gid = tl.program_id(0)  # token / group on grid axis 0 (up to 2**31 - 1; axis 1 stops at 65535)
     pid_m = tl.program_id(1)
+    sid = tl.program_id(2)  # the split of the list (KV_SPLIT; else 0)
     if GROUPED:
         glen = tl.load(GROUP_LEN + gid)
         t0 = tl.load(GROUP_START + gid)
@@ -85,6 +86,18 @@ def _sparse_mqa_fwd_kernel(
             n_end = tl.minimum(tl.maximum(tl.load(TOPK_LEN + gid), 0), K)
         if HAS_ROUTE:
             glen = (tl.load(ROUTE + gid) != 0).to(tl.int32)
+    n_begin = 0
+    if KV_SPLIT:
+        # Split sid takes columns [sid * chunk, (sid + 1) * chunk) of the list's n_end, chunk a multiple of BLOCK_N;
+        # it writes a partial (out normalized by its own sum, lse, max logit) at split offset sid of OUT / LSE /
+        # MAX_LOGITS, merged by sparse_mla.mqa.split_combine. A split past the list's end writes an empty partial.
+        chunk = tl.cdiv(tl.cdiv(n_end, num_splits), BLOCK_N) * BLOCK_N
+        n_begin = sid * chunk
+        n_end = tl.minimum(n_end, n_begin + chunk)
+        OUT += sid.to(tl.int64) * stride_os
+        LSE += sid.to(tl.int64) * stride_ls
+        if MAX_LOGITS is not None:
+            MAX_LOGITS += sid.to(tl.int64) * stride_ms
     if glen > 0:
         offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         qi = offs_p // H  # query of the group owning pseudo-head p
@@ -101,7 +114,7 @@ def _sparse_mqa_fwd_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_V], tl.float32)
-        for start_n in range(0, n_end, BLOCK_N):
+        for start_n in range(n_begin, n_end, BLOCK_N):
             offs_n = start_n + tl.arange(0, BLOCK_N)
             in_list = offs_n < n_end
             if GROUPED:
@@ -191,11 +204,23 @@ def _launch_config(block_m: int, config: tuple[int, int, int] | None, fp8: bool 
     return config or (LAUNCH_CONFIGS_FP8 if fp8 else LAUNCH_CONFIGS)[block_m]
 
 
+def _split_targets(out, lse, attn_sink, max_logits, kv_split):
+    """(out, lse, attn_sink, max_logits, split args, grid depth) of a launch: the caller's tensors, or with
+    ``kv_split`` (``sparse_mla.mqa.split_combine.SplitPartials``) its partial buffers, no sink (the combine applies
+    it once) and one grid slice per split."""
+    if kv_split is None:
+        return out, lse, attn_sink, max_logits, (1, 0, 0, 0), 1
+    part = kv_split
+    ml = part.max_logits
+    args = (part.num_splits, part.out.stride(1), part.lse.stride(1), ml.stride(1) if ml is not None else 0)
+    return part.out[:, 0], part.lse[:, 0], None, (ml[:, 0] if ml is not None else None), args, part.num_splits
+
+
 def sparse_mqa_per_token(
     q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float,
     topk_length: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor | None,
     route: torch.Tensor | None = None, config: tuple[int, int, int] | None = None, *,
-    attn_sink: torch.Tensor | None = None, max_logits: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None, max_logits: torch.Tensor | None = None, kv_split=None,
 ) -> None:
     """Launch the per-token kernel on validated inputs (see ``sparse_mla_fwd``).
 
@@ -204,24 +229,28 @@ def sparse_mqa_per_token(
     lse [T, H] fp32 or None, route [T] int8/int32 or None (0 = skip the token);
     config overrides (BLOCK_N, num_warps, num_stages) for tuning. attn_sink [H] fp32 contiguous
     or None; max_logits [T, H] fp32 (row stride ``max_logits.stride(0)``, heads contiguous) or
-    None (written when given); semantics in the module docstring.
+    None (written when given); semantics in the module docstring. kv_split: a
+    ``sparse_mla.mqa.split_combine.SplitPartials``: S programs per (token, head block) each take 1 / S of the
+    token's list and write their partials there instead of out / lse / max_logits (attn_sink is then ignored:
+    ``split_combine.combine_splits`` applies it).
     """
     T, H, D = q.shape
     if T == 0:
         return
+    out, lse, attn_sink, max_logits, split_args, depth = _split_targets(out, lse, attn_sink, max_logits, kv_split)
     block_m = block_m_for_heads(H)
     block_n, warps, stages = _launch_config(block_m, config, is_fp8_rows(kv))
-    grid = (T, triton.cdiv(H, block_m))
+    grid = (T, triton.cdiv(H, block_m), depth)
     dummy = indices
     _sparse_mqa_fwd_kernel[grid](
         q, kv, indices, topk_length if topk_length is not None else dummy, dummy, dummy, dummy, dummy, dummy,
         route if route is not None else dummy, out, lse, attn_sink, max_logits,
         q.stride(0), q.stride(1), kv.stride(0), indices.stride(0), 0, out.stride(0), out.stride(1),
         lse.stride(0) if lse is not None else 0, max_logits.stride(0) if max_logits is not None else 0,
-        kv.shape[0], H, indices.shape[1], sm_scale * LOG2E,
+        kv.shape[0], H, indices.shape[1], sm_scale * LOG2E, *split_args,
         GROUPED=False, HAS_TOPK_LEN=topk_length is not None, HAS_ROUTE=route is not None,
         HAS_PE=D > D_V, GROUP_HEADS=H,
-        BLOCK_M=block_m, BLOCK_N=block_n, D_V=D_V, D_PE=D_PE, KV_FP8=is_fp8_rows(kv),
+        BLOCK_M=block_m, BLOCK_N=block_n, D_V=D_V, D_PE=D_PE, KV_FP8=is_fp8_rows(kv), KV_SPLIT=kv_split is not None,
         num_warps=warps, num_stages=stages,
     )
 
@@ -231,33 +260,35 @@ def sparse_mqa_grouped(
     union_rows: torch.Tensor, union_bits: torch.Tensor, union_len: torch.Tensor,
     group_start: torch.Tensor, group_len: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
     block_m: int | None = None, config: tuple[int, int, int] | None = None, *,
-    attn_sink: torch.Tensor | None = None, max_logits: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None, max_logits: torch.Tensor | None = None, kv_split=None,
 ) -> None:
-    """Launch the grouped kernel: one program per (pseudo-head block, group).
+    """Launch the grouped kernel: one program per (pseudo-head block, group[, split]).
 
     union_rows / union_bits [num_groups, U] int32, union_len / group_start / group_len
     [num_groups] int32 (group_len 0 = the group is not run here). block_m: pseudo-heads per
     program (default ``block_m_for_heads``; 128 puts a whole 128-row group in one program). kv as in
     ``sparse_mqa_per_token`` (plain rows or fp8_ds_mla bytes).
-    attn_sink / max_logits as in ``sparse_mqa_per_token`` (pseudo-head p uses attn_sink[p % H]).
+    attn_sink / max_logits / kv_split as in ``sparse_mqa_per_token`` (pseudo-head p uses attn_sink[p % H]; a
+    split takes 1 / S of the group's union rows).
     """
     T, H, D = q.shape
     num_groups = group_start.shape[0]
     if num_groups == 0:
         return
+    out, lse, attn_sink, max_logits, split_args, depth = _split_targets(out, lse, attn_sink, max_logits, kv_split)
     pseudo = group_size * H
     block_m = block_m or block_m_for_heads(pseudo)
     block_n, warps, stages = _launch_config(block_m, config, is_fp8_rows(kv))
-    grid = (num_groups, triton.cdiv(pseudo, block_m))
+    grid = (num_groups, triton.cdiv(pseudo, block_m), depth)
     _sparse_mqa_fwd_kernel[grid](
         q, kv, union_rows, union_rows, union_rows, union_bits, union_len, group_start, group_len, group_len, out, lse,
         attn_sink, max_logits,
         q.stride(0), q.stride(1), kv.stride(0), 0, union_rows.stride(0), out.stride(0), out.stride(1),
         lse.stride(0) if lse is not None else 0, max_logits.stride(0) if max_logits is not None else 0,
-        kv.shape[0], H, union_rows.shape[1], sm_scale * LOG2E,
+        kv.shape[0], H, union_rows.shape[1], sm_scale * LOG2E, *split_args,
         GROUPED=True, HAS_TOPK_LEN=False, HAS_ROUTE=False,
         HAS_PE=D > D_V, GROUP_HEADS=pseudo,
-        BLOCK_M=block_m, BLOCK_N=block_n, D_V=D_V, D_PE=D_PE, KV_FP8=is_fp8_rows(kv),
+        BLOCK_M=block_m, BLOCK_N=block_n, D_V=D_V, D_PE=D_PE, KV_FP8=is_fp8_rows(kv), KV_SPLIT=kv_split is not None,
         num_warps=warps, num_stages=stages,
     )
 

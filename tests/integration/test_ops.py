@@ -193,11 +193,11 @@ def test_warmup_runs_every_variant_on_cpu():
     rep = warmup(64, 576, 16, DTYPE, DEVICE, 4, max_requests=3, num_kv_rows=40, workspace=ws,
                  return_lse=(True,), topk_length=(True,), block_size=16)
     assert isinstance(rep, WarmupReport)
-    assert rep.calls == 1 + len(step_shape_reps(2, 4, 3)) + 2
+    assert rep.calls == 1 + 2 + len(step_shape_reps(2, 4, 3)) + 2  # per token, split-KV per token and grouped, ...
     assert rep.new_variants == {k: 0 for k in compiled_variant_counts()}
     rep2 = warmup(64, 576, 16, DTYPE, DEVICE, 4, max_requests=1, num_kv_rows=40, return_lse=(True,),
                   topk_length=(False,), attn_sink=(False, True), max_logits=(True,), converter=False)
-    assert rep2.calls == 2 * (1 + len(step_shape_reps(2, 4, 1)))  # per-token + grouped steps, x2 sink modes
+    assert rep2.calls == 2 * (1 + 2 + len(step_shape_reps(2, 4, 1)))  # per-token, split-KV, grouped steps, x2 sink modes
     with pytest.raises(ValueError, match="num_kv_rows"):
         warmup(64, 576, 16, DTYPE, DEVICE, 8)
     with pytest.raises(ValueError, match="workspace does not fit"):

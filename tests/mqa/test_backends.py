@@ -99,11 +99,14 @@ def test_describe_backend_says_which_and_why(monkeypatch):
 def test_gluon_variant_list_covers_modes_layouts_dtypes_schedules():
     v = gluon_sm90.all_variants()
     fp8 = [x for x in v if x[4]]
-    assert len(v) == len(set(v)) == 2 * 2 * 2 * len(gluon_sm90.SCHEDULES) + 2 * len(gluon_sm90.FP8_SCHEDULES)
+    # x 2: with and without split-KV (KV_SPLIT), but grouped tiles on an FP8 cache (gluon_sm90.kv_split_missing)
+    assert len(v) == len(set(v)) == 2 * (2 * 2 * 2 * len(gluon_sm90.SCHEDULES) + 2 * len(gluon_sm90.FP8_SCHEDULES)) - 1
+    assert {x for x in v if x[5]} == {x[:5] + (True, ) for x in v if not x[5] and not (x[0] and x[4])}
     assert {x[3] for x in v} == set(gluon_sm90.SCHEDULES) and gluon_sm90.config.SCHEDULE in gluon_sm90.SCHEDULES
     # the fp8_ds_mla variants: both modes, D_qk 576, bf16 q, on the schedules that have one
-    assert sorted((x[0], x[1], x[2], x[3]) for x in fp8) == sorted(
-        (g, True, "bf16", sc) for sc in gluon_sm90.FP8_SCHEDULES for g in (False, True))
+    assert sorted((x[0], x[1], x[2], x[3], x[5]) for x in fp8) == sorted(
+        (g, True, "bf16", sc, sp) for sc in gluon_sm90.FP8_SCHEDULES for g in (False, True) for sp in (False, True)
+        if not (g and sp))
 
 
 def test_explain_names_the_attention_backend(monkeypatch):

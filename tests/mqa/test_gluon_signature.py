@@ -32,15 +32,16 @@ def _def(file: str, name: str) -> ast.FunctionDef:
 def test_table_is_consistent():
     sig = _table()
     names = [n for n, _, _ in sig.KERNEL_ARGS]
-    assert tuple(names) == sig.ARG_NAMES and len(set(names)) == len(names) == 32
+    assert tuple(names) == sig.ARG_NAMES and len(set(names)) == len(names) == 33
     specs = {spec for _, _, spec in sig.KERNEL_ARGS}
     assert specs == {sig.ALIGNED, sig.RUNTIME, sig.DEFAULT}
     assert sig.ALIGNED_ARGS == ("q_ptr", "kv_ptr", "out_ptr", "stride_qt", "stride_qh", "stride_kvn", "stride_ot",
                                 "stride_oh")
-    assert len(sig.DO_NOT_SPECIALIZE) == 23 and not set(sig.DO_NOT_SPECIALIZE) & set(sig.ALIGNED_ARGS)
+    assert len(sig.DO_NOT_SPECIALIZE) == 24 and not set(sig.DO_NOT_SPECIALIZE) & set(sig.ALIGNED_ARGS)
     bf16, fp8 = sig.aot_signature("bf16", False), sig.aot_signature("bf16", True)
     assert list(bf16) == names and bf16["q_ptr"] == bf16["kv_ptr"] == bf16["out_ptr"] == "*bf16"
     assert fp8["kv_ptr"] == "*u8" and fp8["q_ptr"] == "*bf16" and sig.aot_signature("fp16", False)["q_ptr"] == "*fp16"
+    assert sig.aot_signature("fp16", False, kv_split=True)["out_ptr"] == "*fp32"  # split partials are fp32
 
 
 @pytest.mark.parametrize("file,name", KERNELS, ids=[k for _, k in KERNELS])

@@ -66,7 +66,8 @@ def test_fp8_cache_runs_the_split_schedule_whatever_the_bf16_schedule(hopper, mo
     assert backends.select_backend(q, rows)[0] == "gluon_sm90"
     assert gluon_sm90.schedule_for(True) == "split" and gluon_sm90.schedule_for(False) == schedule
     assert gluon_sm90.variant_constexprs(False, True, kv_fp8=True)["KV_FP8"]
-    assert (False, True, "bf16", gluon_sm90.schedule_for(True), True) in gluon_sm90.all_variants()
+    assert (False, True, "bf16", gluon_sm90.schedule_for(True), True, False) in gluon_sm90.all_variants()
+    assert (False, True, "bf16", gluon_sm90.schedule_for(True), True, True) in gluon_sm90.all_variants()
 
 
 @pytest.mark.parametrize("case, match", [
@@ -446,19 +447,19 @@ from sparse_mla.mqa import triton_tl as t
 k = t._sparse_mqa_fwd_kernel
 names = k.arg_names
 rows = []
-for block_m, grouped in ((16, False), (64, False), (64, True)):
+for block_m, grouped, split in ((16, False, False), (64, False, False), (64, True, False), (16, False, True), (64, True, True)):
     bn, warps, stages = t.LAUNCH_CONFIGS_FP8[block_m]
     cx = dict(GROUPED=grouped, HAS_TOPK_LEN=not grouped, HAS_ROUTE=False, HAS_PE=True, GROUP_HEADS=128 if grouped else block_m,
-              BLOCK_M=block_m, BLOCK_N=bn, D_V=512, D_PE=64, KV_FP8=True, SINK=None, MAX_LOGITS=None)
+              BLOCK_M=block_m, BLOCK_N=bn, D_V=512, D_PE=64, KV_FP8=True, SINK=None, MAX_LOGITS=None, KV_SPLIT=split)
     ptr = dict(Q="*bf16", KV="*u8", OUT="*bf16", LSE="*fp32")
-    ints = {"N", "H", "K"} | {n for n in names if n.startswith("stride")}
+    ints = {"N", "H", "K", "num_splits"} | {n for n in names if n.startswith("stride")}
     sig = {n: "constexpr" if n in cx else ptr.get(n, "i32" if n in ints else "fp32" if n == "scale_log2" else "*i32")
            for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("Q", "KV", "IDX", "OUT", "stride_kvn", "stride_qt")}
     ck = triton.compile(ASTSource(k, sig, constexprs=cx, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": warps, "num_stages": stages})
     ptx = ck.asm["ptx"]
-    rows.append(dict(block_m=block_m, grouped=grouped, shared=ck.metadata.shared, triton=triton.__version__,
+    rows.append(dict(block_m=block_m, grouped=grouped, split=split, shared=ck.metadata.shared, triton=triton.__version__,
                      cvt=sorted(set(re.findall(r"cvt\.[a-z0-9.]*e4m3[a-z0-9.]*", ptx))),
                      mma=sorted(set(re.findall(r"(?:wgmma\.mma_async|mma\.sync)\.[a-z0-9.]*bf16", ptx)))))
 print(json.dumps(rows))
@@ -468,9 +469,9 @@ print(json.dumps(rows))
 def test_fp8_variants_compile_for_sm90_with_the_hardware_conversion():
     """The FP8 gather compiles for sm_90 with the Triton the GPU runs (the Gluon kernels' pinned version), within
     the H100 / H200 shared memory, converting with the e4m3 -> f16x2 cvt instruction (no software decode) and
-    multiplying in bf16 tensor-core MMAs."""
+    multiplying in bf16 tensor-core MMAs; the split-KV variants (KV_SPLIT) as well."""
     rows = run_sm90_compile(_COMPILE, "the FP8 kernel variants")
-    assert len(rows) == 3
+    assert len(rows) == 5
     for row in rows:
         assert row["cvt"] == ["cvt.rn.f16x2.e4m3x2"], row
         assert row["mma"] and 0 < row["shared"] <= SMEM_LIMIT, row

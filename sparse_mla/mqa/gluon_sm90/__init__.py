@@ -49,7 +49,7 @@ variant for sm_90 with that Triton (tests/mqa/test_gluon_compile.py). Semantics:
 ``sparse_mla.mqa.reference.sparse_mla_ref``.
 
 Modules: ``gluon_api`` (the Gluon imports, or ``GLUON_IMPORT_ERROR``), ``config`` (constants, launch configuration,
-knobs, the variants), ``signature`` (the 32 run-time arguments, written once), ``common`` (helpers both schedules
+knobs, the variants), ``signature`` (the 33 run-time arguments, written once), ``common`` (helpers both schedules
 call), ``split`` and ``pair`` (one schedule each, with its kernel), ``launcher`` (``launch``), ``aot``
 (``compile_variant``). The kernel modules are imported only when Gluon imports.
 """
@@ -68,6 +68,7 @@ from .config import (  # noqa: F401
     LOG2E,
     SCHEDULES,
     all_variants,
+    kv_split_missing,
     schedule_for,
     variant_constexprs,
 )
@@ -75,6 +76,7 @@ from .gluon_api import GLUON_IMPORT_ERROR  # noqa: F401
 from .launcher import launch, num_m_blocks  # noqa: F401
 
 SUPPORTED_TRITON = ("3.6",)  # major.minor of triton whose Gluon API these kernels are written against
+SUPPORTS_KV_SPLIT = True  # split-KV variants (KV_SPLIT) but where config.kv_split_missing says (sparse_mla.mqa.backends)
 SUPPORTS_SINK = True  # attn_sink / max_logits computed in the kernel (sparse_mla.mqa.backends reads this)
 
 

@@ -9,7 +9,8 @@ from .gluon_api import GLUON_IMPORT_ERROR
 from .signature import ALIGNED_ARGS, ARG_NAMES, aot_signature
 
 
-def compile_variant(grouped: bool, has_pe: bool, dtype: str, schedule: str, kv_fp8: bool = False, arch: int = 90):
+def compile_variant(grouped: bool, has_pe: bool, dtype: str, schedule: str, kv_fp8: bool = False, kv_split: bool = False,
+                    arch: int = 90):
     """Compile one variant for ``sm_<arch>`` without a GPU (Triton's front end, LLVM and ptxas run on
     the CPU); returns the CompiledKernel (``.metadata.shared`` bytes, ``.n_regs`` / ``.n_spills``
     where the backend fills them, ``.asm["ptx"]``). Raises whatever Triton raises on an API drift or a
@@ -21,8 +22,8 @@ def compile_variant(grouped: bool, has_pe: bool, dtype: str, schedule: str, kv_f
 
     from .launcher import _kernel_for
 
-    signature = aot_signature(dtype, kv_fp8)
-    cx = config.variant_constexprs(grouped, has_pe, schedule, kv_fp8)
+    signature = aot_signature(dtype, kv_fp8, kv_split)
+    cx = config.variant_constexprs(grouped, has_pe, schedule, kv_fp8, kv_split)
     signature.update({k: "constexpr" for k in cx})
     attrs = {(ARG_NAMES.index(n), ): [["tt.divisibility", 16]] for n in ALIGNED_ARGS}
     src = GluonASTSource(_kernel_for(schedule), signature, constexprs=cx, attrs=attrs)

@@ -42,6 +42,14 @@ def _resolve_item(pid, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K, m_block
     0 rows and 0 heads."""
     gid = pid // m_blocks
     mb = pid % m_blocks
+    tok0, n_rows, n_heads = _resolve_list(gid, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K, group_heads,
+                                          has_nrows, has_route, GROUPED)
+    return gid, mb, tok0, n_rows, n_heads
+
+@gluon.jit
+def _resolve_list(gid, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K, group_heads, has_nrows, has_route,
+                  GROUPED: gl.constexpr):
+    """List ``gid``'s (first token, rows, real pseudo-heads)."""
     if GROUPED:
         glen = gl.load(glen_ptr + gid)
         tok0 = gl.load(gstart_ptr + gid)
@@ -57,7 +65,51 @@ def _resolve_item(pid, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K, m_block
             if gl.load(route_ptr + gid) == 0:
                 n_rows = 0
                 n_heads = 0
-    return gid, mb, tok0, n_rows, n_heads
+    return tok0, n_rows, n_heads
+
+@gluon.jit
+def _resolve_work(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K, m_blocks, group_heads, has_nrows, has_route,
+                  num_splits, GROUPED: gl.constexpr, KV_SPLIT: gl.constexpr):
+    """Work item w: (gid, mb, first token, rows, real pseudo-heads, first column, split). Without KV_SPLIT,
+    ``_resolve_item``'s with column and split 0. With KV_SPLIT, w = (list * num_splits + split) * m_blocks + mb (a
+    list's splits and m-blocks adjacent: they share its rows in L2); the split takes the list's columns
+    [col0, col0 + rows), col0 = split * chunk, chunk = the list's rows / num_splits rounded up to a pair of tiles
+    (0 rows past the list's end: the item writes an empty partial)."""
+    if KV_SPLIT:
+        q1 = w // m_blocks
+        mb = w - q1 * m_blocks
+        gid = q1 // num_splits
+        sid = q1 - gid * num_splits
+        tok0, n_rows, n_heads = _resolve_list(gid, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K, group_heads,
+                                              has_nrows, has_route, GROUPED)
+        chunk = gl.cdiv(gl.cdiv(n_rows, num_splits), 2 * _BN) * (2 * _BN)
+        col0 = sid * chunk
+        n_rows = gl.minimum(gl.maximum(n_rows - col0, 0), chunk)
+    else:
+        gid, mb, tok0, n_rows, n_heads = _resolve_item(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K, m_blocks,
+                                                       group_heads, has_nrows, has_route, GROUPED)
+        col0 = 0
+        sid = 0
+    return gid, mb, tok0, n_rows, n_heads, col0, sid
+
+@gluon.jit
+def _item_rows(rows_ptr, bits_ptr, col0, KV_SPLIT: gl.constexpr):
+    """The rows / membership-word pointers of an item: its split's first column (KV_SPLIT) or the list's."""
+    if KV_SPLIT:
+        return rows_ptr + col0, bits_ptr + col0
+    else:
+        return rows_ptr, bits_ptr
+
+@gluon.jit
+def _item_outputs(out_ptr, lse_ptr, maxl_ptr, w, m_blocks, num_splits, H, KV_SPLIT: gl.constexpr):
+    """The out / lse / max_logits pointers of work item w: its split's slices of the contiguous partials (KV_SPLIT:
+    out [T, S, H, 512], lse / max_logits [T, S, H], ``sparse_mla.mqa.split_combine``; split and strides recomputed
+    here from w and H, so that no value of them is held through the tile loops) or the call's outputs."""
+    if KV_SPLIT:
+        sid = (w // m_blocks) % num_splits
+        return out_ptr + sid * H * _DV, lse_ptr + sid * H, maxl_ptr + sid * H
+    else:
+        return out_ptr, lse_ptr, maxl_ptr
 
 @gluon.jit
 def _issue_q(q_ptr, q_v, q_r, stride_qt, stride_qh, mb, tok0, H, n_heads, GROUPED: gl.constexpr,

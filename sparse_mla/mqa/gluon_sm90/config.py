@@ -51,24 +51,39 @@ def schedule_for(kv_fp8: bool) -> str:
 
 
 
-def variant_constexprs(grouped: bool, has_pe: bool, schedule: str | None = None, kv_fp8: bool = False) -> dict:
+def kv_split_missing(grouped: bool, kv_fp8: bool) -> str | None:
+    """Why there is no split-KV variant for such a launch, or None. Grouped tiles on an fp8_ds_mla cache have none:
+    its consumers, whose registers the dequantizing producer shares, reload a value in every tile (the sm_90 compile's
+    SASS, tests/mqa/test_gluon_compile.py); those calls run the Triton kernel's split variant."""
+    if grouped and kv_fp8:
+        return "grouped tiles on an fp8_ds_mla cache have no Gluon split-KV variant (its consumers would spill per tile)"
+    return None
+
+
+def variant_constexprs(grouped: bool, has_pe: bool, schedule: str | None = None, kv_fp8: bool = False,
+                       kv_split: bool = False) -> dict:
     """The compile-time parameters of one kernel variant (everything else is a run-time argument, so the
     package launches 2 modes x 2 D_qk x 2 dtypes = 8 variants per schedule, plus the split schedule's 2 modes
-    on an fp8_ds_mla cache with bf16 q; each compiled for sm_90 in CI)."""
+    on an fp8_ds_mla cache with bf16 q, each with and without split-KV (``KV_SPLIT``: the item's partials go to fp32
+    buffers, ``sparse_mla.mqa.split_combine``, stored directly); each compiled for sm_90 in CI)."""
     if kv_fp8 and not has_pe:
         raise ValueError("an fp8_ds_mla variant needs D_qk 576 (has_pe): the format's rows are 576 wide")
+    if kv_split and kv_split_missing(grouped, kv_fp8):
+        raise ValueError(kv_split_missing(grouped, kv_fp8))
     if (schedule or schedule_for(kv_fp8)) == "split":
         return dict(GROUPED=grouped, HAS_PE=has_pe, STAGES=STAGES, PRODUCER_WARPS=PRODUCER_WARPS,
                     PRODUCER_REGS=FP8_PRODUCER_REGS if kv_fp8 else PRODUCER_REGS, ABLATE=ABLATE,
-                    O_VIA_SMEM=O_VIA_SMEM and not grouped, KV_FP8=kv_fp8, num_warps=CONSUMER_WARPS)
+                    O_VIA_SMEM=O_VIA_SMEM and not grouped and not kv_split, KV_FP8=kv_fp8, KV_SPLIT=kv_split,
+                    num_warps=CONSUMER_WARPS)
     if kv_fp8:
         raise ValueError("the pair schedule has no fp8_ds_mla variant (FP8_SCHEDULES)")
-    return dict(GROUPED=grouped, HAS_PE=has_pe, CONSUMER_REGS=PAIR_CONSUMER_REGS, O_VIA_SMEM=O_VIA_SMEM, num_warps=4)
+    return dict(GROUPED=grouped, HAS_PE=has_pe, CONSUMER_REGS=PAIR_CONSUMER_REGS, O_VIA_SMEM=O_VIA_SMEM and not kv_split,
+                KV_SPLIT=kv_split, num_warps=4)
 
 
-
-def all_variants() -> list[tuple[bool, bool, str, str, bool]]:
-    """(grouped, has_pe, dtype, schedule, kv_fp8) of every variant the package can launch."""
-    plain = [(g, pe, dt, sc, False) for sc in SCHEDULES for g in (False, True) for pe in (False, True)
-             for dt in ("bf16", "fp16")]
-    return plain + [(g, True, "bf16", sc, True) for sc in FP8_SCHEDULES for g in (False, True)]
+def all_variants() -> list[tuple[bool, bool, str, str, bool, bool]]:
+    """(grouped, has_pe, dtype, schedule, kv_fp8, kv_split) of every variant the package can launch."""
+    plain = [(g, pe, dt, sc, False, sp) for sc in SCHEDULES for g in (False, True) for pe in (False, True)
+             for dt in ("bf16", "fp16") for sp in (False, True)]
+    fp8 = [(g, True, "bf16", sc, True, sp) for sc in FP8_SCHEDULES for g in (False, True) for sp in (False, True)]
+    return plain + [v for v in fp8 if not (v[5] and kv_split_missing(v[0], True))]

@@ -76,7 +76,7 @@ def num_m_blocks(num_pseudo_heads: int) -> int:
 
 
 def launch(q, kv, rows, bits, nrows, group_start, group_len, route, out, lse, sm_scale: float, *,
-           grouped: bool, num_lists: int, group_heads: int, attn_sink=None, max_logits=None) -> None:
+           grouped: bool, num_lists: int, group_heads: int, attn_sink=None, max_logits=None, kv_split=None) -> None:
     """Launch on validated CUDA tensors (``sparse_mla.mqa.backends`` checks that this kernel applies).
 
     q [T, H, D_qk], kv [N, D_qk] (row stride ``kv.stride(0)``), out [T, H, 512], lse [T, H] fp32 or None.
@@ -85,7 +85,9 @@ def launch(q, kv, rows, bits, nrows, group_start, group_len, route, out, lse, sm
     membership words [num_groups, U] int32, nrows = union_len, group_start / group_len [num_groups],
     num_lists = num_groups, group_heads = G * H (<= 128). attn_sink [H] fp32 contiguous or None (adds
     exp(attn_sink[h]) to out's denominator), max_logits [T, H] fp32 (heads contiguous) or None (written):
-    the semantics of ``sparse_mla.mqa.triton_tl``.
+    the semantics of ``sparse_mla.mqa.triton_tl``. kv_split: a ``sparse_mla.mqa.split_combine.SplitPartials`` or
+    None: with it, S CTAs' work items share each list (1 / S of its rows each) and write their partials there instead
+    of out / lse / max_logits (attn_sink is then left to ``split_combine.combine_splits``).
     """
     import torch
 
@@ -96,12 +98,17 @@ def launch(q, kv, rows, bits, nrows, group_start, group_len, route, out, lse, sm
     if num_lists == 0:
         return
     m_blocks = num_m_blocks(group_heads)
-    num_work = num_lists * m_blocks
+    S = 1
+    if kv_split is not None:  # contiguous [T, S, H, ...] partials: the kernel derives a split's offset from H
+        S, ml = kv_split.num_splits, kv_split.max_logits
+        out, lse, attn_sink = kv_split.out[:, 0], kv_split.lse[:, 0], None
+        max_logits = ml[:, 0] if ml is not None else None
+    num_work = num_lists * m_blocks * S
     dummy = rows  # an int32 placeholder for absent int32 inputs
     f32, i8 = _placeholders(q.device)  # typed placeholders keep the argument types, hence the compiled variant, fixed
     grid = min(num_work, _num_sms(q.device)) if config.PERSISTENT else num_work
     schedule = config.schedule_for(kv_fp8)
-    cx = config.variant_constexprs(grouped, D > D_V, schedule, kv_fp8)
+    cx = config.variant_constexprs(grouped, D > D_V, schedule, kv_fp8, kv_split is not None)
     options = {"num_warps": cx.pop("num_warps")}
     key = (schedule, q.dtype, kv.dtype, options["num_warps"], *cx.values())
     _launcher_for(schedule)(key, (grid, ), (
@@ -114,4 +121,4 @@ def launch(q, kv, rows, bits, nrows, group_start, group_len, route, out, lse, sm
         int(nrows is not None), int(route is not None), int(lse is not None),
         attn_sink if attn_sink is not None else f32, max_logits if max_logits is not None else f32,
         max_logits.stride(0) if max_logits is not None else 0, int(attn_sink is not None), int(max_logits is not None),
-        num_work), cx, options)
+        num_work, S), cx, options)

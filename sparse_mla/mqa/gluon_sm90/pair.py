@@ -13,8 +13,10 @@ from .common import (  # noqa: F401
     _LN2,
     _epilogue_stats,
     _issue_q,
+    _item_outputs,
+    _item_rows,
     _pseudo_heads,
-    _resolve_item,
+    _resolve_work,
     _tile_rows,
 )
 from .gluon_api import async_copy, fence_async_shared, gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_wait  # noqa: F401
@@ -129,24 +131,27 @@ def _pair_gather(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, i, k,
 @gluon.jit
 def _pair_producer(q_ptr, kv_ptr, rows_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, stride_qt, stride_qh,
                    stride_kvn, row_stride, N, H, K, m_blocks, group_heads, has_nrows, has_route, num_work, q_v, q_r,
-                   ring_l, ring_h, ring_r, hb, q_bars, GROUPED: gl.constexpr, HAS_PE: gl.constexpr):
+                   ring_l, ring_h, ring_r, hb, q_bars, num_splits, GROUPED: gl.constexpr, HAS_PE: gl.constexpr,
+                   KV_SPLIT: gl.constexpr):
     """Persistent producer: per work item, its first pair of tiles (they may land while the consumers finish
     the previous item), then Q (once both consumers freed it: q_bars[1]; landed: q_bars[0]), then the rest."""
     k = 0
     it = 0  # the items this CTA has run (items with no real pseudo-head are skipped by every partition)
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
-        gid, mb, tok0, n_rows, n_heads = _resolve_item(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
-                                                       m_blocks, group_heads, has_nrows, has_route, GROUPED)
+        gid, mb, tok0, n_rows, n_heads, col0, sid = _resolve_work(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
+                                                                  m_blocks, group_heads, has_nrows, has_route,
+                                                                  num_splits, GROUPED, KV_SPLIT)
+        rows_w, bits_w = _item_rows(rows_ptr, rows_ptr, col0, KV_SPLIT)
         if mb * _BH < n_heads:
             n_pairs = gl.cdiv(n_rows, 2 * _BN)
             if n_pairs > 0:
-                _pair_gather(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 0, k, ring_l, ring_h, ring_r,
+                _pair_gather(kv_ptr, rows_w, row_stride, stride_kvn, N, gid, n_rows, 0, k, ring_l, ring_h, ring_r,
                              hb, HAS_PE)
             mbarrier.wait(q_bars.index(1), (it & 1) ^ 1)  # Q buffer free (a fresh barrier passes parity 1)
             _issue_q(q_ptr, q_v.index(0), q_r.index(0), stride_qt, stride_qh, mb, tok0, H, n_heads, GROUPED, HAS_PE)
             async_copy.mbarrier_arrive(q_bars.index(0), increment_count=False)
             for i in range(1, n_pairs):
-                _pair_gather(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, i, k + i, ring_l, ring_h,
+                _pair_gather(kv_ptr, rows_w, row_stride, stride_kvn, N, gid, n_rows, i, k + i, ring_l, ring_h,
                              ring_r, hb, HAS_PE)
             k += n_pairs
             it += 1
@@ -154,10 +159,14 @@ def _pair_producer(q_ptr, kv_ptr, rows_ptr, nrows_ptr, gstart_ptr, glen_ptr, rou
 @gluon.jit
 def _pair_epilogue(o, l_own, m_i, l_mine, l_other, bars, it, q_v, q_bars, out_ptr, lse_ptr, mb, tok0, H, n_heads,
                    stride_ot, stride_oh, stride_lt, has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl,
-                   WG: gl.constexpr, GROUPED: gl.constexpr, O_VIA_SMEM: gl.constexpr):
+                   w, m_blocks, num_splits, WG: gl.constexpr, GROUPED: gl.constexpr,
+                   O_VIA_SMEM: gl.constexpr, KV_SPLIT: gl.constexpr):
     """Exchange the partial row sums (bars[5 + WG]: this warpgroup's are in l_mine), normalise its 256 columns of
     O, store them (warpgroup 0 also lse), then free Q. l_mine is rewritten only after the other warpgroup read
-    it: the next item starts with its Q, which the producer loads after both warpgroups freed this one's."""
+    it: the next item starts with its Q, which the producer loads after both warpgroups freed this one's. A split item
+    (KV_SPLIT) stores its partials (offsets taken here, not held through the tile loop)."""
+    out_ptr, lse_ptr, maxl_ptr = _item_outputs(out_ptr, lse_ptr, maxl_ptr, w, m_blocks, num_splits, H,
+                                               KV_SPLIT)
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
     rows_o: gl.constexpr = gl.SliceLayout(1, o_l)
     l_mine.store(l_own)
@@ -278,15 +287,17 @@ def _pair_item(mb, n_rows, n_heads, H):
 def _pair_wg0(q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, hb, bars, q_bars, rows_ptr, bits_ptr,
               nrows_ptr, gstart_ptr, glen_ptr, route_ptr, row_stride, N, H, K, m_blocks, group_heads, has_nrows,
               has_route, num_work, out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, qk_scale, has_lse, sink_ptr,
-              maxl_ptr, stride_mt, has_sink, has_maxl, GROUPED: gl.constexpr, HAS_PE: gl.constexpr,
-              O_VIA_SMEM: gl.constexpr):
+              maxl_ptr, stride_mt, has_sink, has_maxl, num_splits,
+              GROUPED: gl.constexpr, HAS_PE: gl.constexpr, O_VIA_SMEM: gl.constexpr, KV_SPLIT: gl.constexpr):
     """Warpgroup 0: S of the even tiles (stage 0), O[:, 0:256]; per work item of this CTA."""
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     k = 0
     it = 0  # the items this CTA has run (items with no real pseudo-head are skipped by every partition)
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
-        gid, mb, tok0, n_rows, n_heads = _resolve_item(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
-                                                       m_blocks, group_heads, has_nrows, has_route, GROUPED)
+        gid, mb, tok0, n_rows, n_heads, col0, sid = _resolve_work(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
+                                                                  m_blocks, group_heads, has_nrows, has_route,
+                                                                  num_splits, GROUPED, KV_SPLIT)
+        rows_w, bits_w = _item_rows(rows_ptr, bits_ptr, col0, KV_SPLIT)
         if mb * _BH < n_heads:
             n_pairs, row_bit, m_i, l_i, o, s = _pair_item(mb, n_rows, n_heads, H)
             cols = _no_cols(s_l, GROUPED)
@@ -302,20 +313,20 @@ def _pair_wg0(q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_
                 s = _pair_qk_half(q_v, ring_h, 256, z, z, s, True)
                 if HAS_PE:
                     s = _pair_qk_rope(q_r, ring_r, z, z, s)
-                cols = _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 0, s_l, GROUPED)
+                cols = _tile_cols(rows_w, bits_w, row_stride, N, gid, n_rows, 0, s_l, GROUPED)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
             for i in range(n_pairs - 1):
                 s, cols, o, m_i, l_i = _pair_wg0_step(s, cols, o, m_i, l_i, i, k + i, q_v, q_r, ring_l, ring_h,
-                                                      ring_r, s_p0, s_p1, s_m0, s_m1, hb, bars, rows_ptr, bits_ptr,
+                                                      ring_r, s_p0, s_p1, s_m0, s_m1, hb, bars, rows_w, bits_w,
                                                       row_stride, N, gid, n_rows, row_bit, qk_scale, GROUPED, HAS_PE, True)
             if n_pairs > 0:
                 s, cols, o, m_i, l_i = _pair_wg0_step(s, cols, o, m_i, l_i, n_pairs - 1, k + n_pairs - 1, q_v, q_r,
                                                       ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, hb, bars,
-                                                      rows_ptr, bits_ptr, row_stride, N, gid, n_rows, row_bit, qk_scale,
+                                                      rows_w, bits_w, row_stride, N, gid, n_rows, row_bit, qk_scale,
                                                       GROUPED, HAS_PE, False)
             _pair_epilogue(o, l_i, m_i, s_l0, s_l1, bars, it, q_v, q_bars, out_ptr, lse_ptr, mb, tok0, H,
                            n_heads, stride_ot, stride_oh, stride_lt, has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink,
-                           has_maxl, 0, GROUPED, O_VIA_SMEM)
+                           has_maxl, w, m_blocks, num_splits, 0, GROUPED, O_VIA_SMEM, KV_SPLIT)
             k += n_pairs
             it += 1
 
@@ -323,8 +334,8 @@ def _pair_wg0(q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_
 def _pair_wg1(q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, hb, bars, q_bars, rows_ptr, bits_ptr,
               nrows_ptr, gstart_ptr, glen_ptr, route_ptr, row_stride, N, H, K, m_blocks, group_heads, has_nrows,
               has_route, num_work, out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, qk_scale, has_lse, sink_ptr,
-              maxl_ptr, stride_mt, has_sink, has_maxl, GROUPED: gl.constexpr, HAS_PE: gl.constexpr,
-              O_VIA_SMEM: gl.constexpr):
+              maxl_ptr, stride_mt, has_sink, has_maxl, num_splits,
+              GROUPED: gl.constexpr, HAS_PE: gl.constexpr, O_VIA_SMEM: gl.constexpr, KV_SPLIT: gl.constexpr):
     """Warpgroup 1: S of the odd tiles (stage 1, R half first: it is refilled first), O[:, 256:512]."""
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 256, 16])
@@ -335,8 +346,10 @@ def _pair_wg1(q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_
     k = 0
     it = 0  # the items this CTA has run (items with no real pseudo-head are skipped by every partition)
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
-        gid, mb, tok0, n_rows, n_heads = _resolve_item(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
-                                                       m_blocks, group_heads, has_nrows, has_route, GROUPED)
+        gid, mb, tok0, n_rows, n_heads, col0, sid = _resolve_work(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
+                                                                  m_blocks, group_heads, has_nrows, has_route,
+                                                                  num_splits, GROUPED, KV_SPLIT)
+        rows_w, bits_w = _item_rows(rows_ptr, bits_ptr, col0, KV_SPLIT)
         if mb * _BH < n_heads:
             n_pairs, row_bit, m_i, l_i, o, s = _pair_item(mb, n_rows, n_heads, H)
             mbarrier.wait(q_bars.index(0), it & 1)  # Q landed
@@ -347,7 +360,7 @@ def _pair_wg1(q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_
                 st0 = z
                 st1 = 1 - z
                 if not GROUPED:
-                    cols = _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 2 * i + 1, s_l, GROUPED)
+                    cols = _tile_cols(rows_w, bits_w, row_stride, N, gid, n_rows, 2 * i + 1, s_l, GROUPED)
                 mbarrier.wait(hb.index(3), kk & 1)  # R1 landed
                 fence_async_shared()
                 s = _pair_qk_half(q_v, ring_h, 256, st1, z, s, False)  # the dead S as accumulator: no zeros live
@@ -357,7 +370,7 @@ def _pair_wg1(q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_
                 fence_async_shared()
                 s = _pair_qk_half(q_v, ring_l, 0, st1, z, s, True)
                 if GROUPED:
-                    cols = _tile_cols(rows_ptr, bits_ptr, row_stride, N, gid, n_rows, 2 * i + 1, s_l, GROUPED)
+                    cols = _tile_cols(rows_w, bits_w, row_stride, N, gid, n_rows, 2 * i + 1, s_l, GROUPED)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
                 s = _scaled_logits(s, cols, row_bit, qk_scale, GROUPED)
                 mbarrier.wait(bars.index(0), kk & 1)  # m0 ready
@@ -384,7 +397,7 @@ def _pair_wg1(q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_
                 _pair_release(hb.index(6))  # R0 free (V0[:, 256:512] and P0 read)
             _pair_epilogue(o, l_i, m_i, s_l1, s_l0, bars, it, q_v, q_bars, out_ptr, lse_ptr, mb, tok0, H,
                            n_heads, stride_ot, stride_oh, stride_lt, has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink,
-                           has_maxl, 1, GROUPED, O_VIA_SMEM)
+                           has_maxl, w, m_blocks, num_splits, 1, GROUPED, O_VIA_SMEM, KV_SPLIT)
             k += n_pairs
             it += 1
 
@@ -393,9 +406,9 @@ def sparse_mqa_sm90_pair_kernel(
     q_ptr, kv_ptr, rows_ptr, bits_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, out_ptr, lse_ptr,
     stride_qt, stride_qh, stride_kvn, row_stride, stride_ot, stride_oh, stride_lt,
     N, H, K, qk_scale, m_blocks, group_heads, has_nrows, has_route, has_lse,
-    sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl, num_work,
+    sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl, num_work, num_splits,
     GROUPED: gl.constexpr, HAS_PE: gl.constexpr, CONSUMER_REGS: gl.constexpr, O_VIA_SMEM: gl.constexpr,
-    num_warps: gl.constexpr,
+    KV_SPLIT: gl.constexpr, num_warps: gl.constexpr,
 ):
     """The pair schedule (module comment above); same arguments and grid as ``sparse_mqa_sm90_kernel``."""
     smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -436,15 +449,16 @@ def sparse_mqa_sm90_pair_kernel(
     gl.warp_specialize([
         (_pair_producer, (q_ptr, kv_ptr, rows_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, stride_qt,
                           stride_qh, stride_kvn, row_stride, N, H, K, m_blocks, group_heads, has_nrows, has_route,
-                          num_work, q_v, q_r, ring_l, ring_h, ring_r, hb, q_bars, GROUPED, HAS_PE)),
+                          num_work, q_v, q_r, ring_l, ring_h, ring_r, hb, q_bars, num_splits, GROUPED, HAS_PE,
+                          KV_SPLIT)),
         (_pair_wg0, (q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, hb, bars, q_bars, rows_ptr,
                      bits_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, row_stride, N, H, K, m_blocks,
                      group_heads, has_nrows, has_route, num_work, out_ptr, lse_ptr, stride_ot, stride_oh,
-                     stride_lt, qk_scale, has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl, GROUPED,
-                     HAS_PE, O_VIA_SMEM)),
+                     stride_lt, qk_scale, has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl, num_splits,
+                     GROUPED, HAS_PE, O_VIA_SMEM, KV_SPLIT)),
         (_pair_wg1, (q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, hb, bars, q_bars, rows_ptr,
                      bits_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, row_stride, N, H, K, m_blocks,
                      group_heads, has_nrows, has_route, num_work, out_ptr, lse_ptr, stride_ot, stride_oh,
-                     stride_lt, qk_scale, has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl, GROUPED,
-                     HAS_PE, O_VIA_SMEM)),
+                     stride_lt, qk_scale, has_lse, sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl, num_splits,
+                     GROUPED, HAS_PE, O_VIA_SMEM, KV_SPLIT)),
     ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])

@@ -22,18 +22,20 @@ KERNEL_ARGS = (
     ("group_heads", "i32", RUNTIME), ("has_nrows", "i32", RUNTIME), ("has_route", "i32", RUNTIME),
     ("has_lse", "i32", RUNTIME), ("sink_ptr", "*fp32", RUNTIME), ("maxl_ptr", "*fp32", RUNTIME),
     ("stride_mt", "i32", RUNTIME), ("has_sink", "i32", RUNTIME), ("has_maxl", "i32", RUNTIME),
-    ("num_work", "i32", RUNTIME),
+    ("num_work", "i32", RUNTIME), ("num_splits", "i32", RUNTIME),
 )
 ARG_NAMES = tuple(name for name, _, _ in KERNEL_ARGS)
 DO_NOT_SPECIALIZE = [name for name, _, spec in KERNEL_ARGS if spec == RUNTIME]
 ALIGNED_ARGS = tuple(name for name, _, spec in KERNEL_ARGS if spec == ALIGNED)
 
 
-def aot_signature(dtype: str, kv_fp8: bool) -> dict[str, str]:
+def aot_signature(dtype: str, kv_fp8: bool, kv_split: bool = False) -> dict[str, str]:
     """``triton.compile`` types of the run-time arguments for q's dtype ("bf16" / "fp16")."""
     sig = {name: ty.format(dt=dtype) for name, ty, _ in KERNEL_ARGS}
     if kv_fp8:
         sig["kv_ptr"] = "*u8"  # the cache's byte rows
+    if kv_split:
+        sig["out_ptr"] = "*fp32"  # the split partials (sparse_mla.mqa.split_combine)
     return sig
 
 

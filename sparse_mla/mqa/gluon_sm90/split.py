@@ -13,8 +13,10 @@ from .common import (  # noqa: F401
     _LN2,
     _epilogue_stats,
     _issue_q,
+    _item_outputs,
+    _item_rows,
     _pseudo_heads,
-    _resolve_item,
+    _resolve_work,
     _tile_rows,
 )
 from .gluon_api import async_copy, fence_async_shared, gl, gluon, mbarrier, warpgroup_mma, warpgroup_mma_wait  # noqa: F401
@@ -109,34 +111,36 @@ def _gather_tiles_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 
 @gluon.jit
 def _producer_loop(q_ptr, kv_ptr, rows_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, stride_qt, stride_qh,
                    stride_kvn, row_stride, N, H, K, m_blocks, group_heads, has_nrows, has_route, num_work, q_v, q_r,
-                   ring_v, ring_r, ready, empty, q_bars, GROUPED: gl.constexpr, HAS_PE: gl.constexpr,
-                   STAGES: gl.constexpr, KV_FP8: gl.constexpr):
+                   ring_v, ring_r, ready, empty, q_bars, num_splits, GROUPED: gl.constexpr, HAS_PE: gl.constexpr,
+                   STAGES: gl.constexpr, KV_FP8: gl.constexpr, KV_SPLIT: gl.constexpr):
     """Persistent producer: per work item, the first STAGES tiles (they may land while the consumers finish the
     previous item), then Q (once the consumers freed it: q_bars[1]; landed: q_bars[0]), then the other tiles."""
     c = 0
     it = 0  # the items this CTA has run (items with no real pseudo-head are skipped by every partition)
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
-        gid, mb, tok0, n_rows, n_heads = _resolve_item(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
-                                                       m_blocks, group_heads, has_nrows, has_route, GROUPED)
+        gid, mb, tok0, n_rows, n_heads, col0, sid = _resolve_work(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
+                                                                  m_blocks, group_heads, has_nrows, has_route,
+                                                                  num_splits, GROUPED, KV_SPLIT)
+        rows_w, bits_w = _item_rows(rows_ptr, rows_ptr, col0, KV_SPLIT)
         if mb * _BH < n_heads:
             n_tiles = gl.cdiv(n_rows, _BN)
             n_pre = gl.minimum(n_tiles, STAGES)
             if KV_FP8:
-                _gather_tiles_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 0, n_pre, c, ring_v, ring_r,
+                _gather_tiles_fp8(kv_ptr, rows_w, row_stride, stride_kvn, N, gid, n_rows, 0, n_pre, c, ring_v, ring_r,
                                   ready, empty, STAGES)
             else:
                 for j in range(n_pre):
-                    _gather_tile(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, c + j, ring_v, ring_r,
+                    _gather_tile(kv_ptr, rows_w, row_stride, stride_kvn, N, gid, n_rows, j, c + j, ring_v, ring_r,
                                  ready, empty, HAS_PE, STAGES)
             mbarrier.wait(q_bars.index(1), (it & 1) ^ 1)  # Q buffer free (a fresh barrier passes parity 1)
             _issue_q(q_ptr, q_v, q_r, stride_qt, stride_qh, mb, tok0, H, n_heads, GROUPED, HAS_PE)
             async_copy.mbarrier_arrive(q_bars.index(0), increment_count=False)
             if KV_FP8:
-                _gather_tiles_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, n_pre, n_tiles, c + n_pre,
+                _gather_tiles_fp8(kv_ptr, rows_w, row_stride, stride_kvn, N, gid, n_rows, n_pre, n_tiles, c + n_pre,
                                   ring_v, ring_r, ready, empty, STAGES)
             else:
                 for j in range(n_pre, n_tiles):
-                    _gather_tile(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, c + j, ring_v, ring_r,
+                    _gather_tile(kv_ptr, rows_w, row_stride, stride_kvn, N, gid, n_rows, j, c + j, ring_v, ring_r,
                                  ready, empty, HAS_PE, STAGES)
             c += n_tiles
             it += 1
@@ -147,7 +151,8 @@ def _consumer(q_v, q_r, ring_v, ring_r, ready, empty, rows_ptr, bits_ptr, row_st
               mb, tok0, H, n_heads, out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, qk_scale, has_lse,
               sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl,
               GROUPED: gl.constexpr, HAS_PE: gl.constexpr, STAGES: gl.constexpr, ABLATE: gl.constexpr,
-              O_VIA_SMEM: gl.constexpr, c0):
+              O_VIA_SMEM: gl.constexpr, c0, w, m_blocks, num_splits,
+              KV_SPLIT: gl.constexpr):
     """Two warpgroups side by side (warps_per_cta [4, 2]): warpgroup w computes S[:, 32w:32w+32] and
     owns O[:, 256w:256w+256]; Triton exchanges the row max and P across them through shared memory."""
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
@@ -206,7 +211,10 @@ def _consumer(q_v, q_r, ring_v, ring_r, ready, empty, rows_ptr, bits_ptr, row_st
             o, a_op = warpgroup_mma_wait(num_outstanding=0, deps=(o, a_op))
         gl.thread_barrier()  # every consumer warp is done reading stage st ...
         mbarrier.arrive(empty.index(st), count=1)  # ... before one thread releases it
-    # epilogue: pseudo-head p -> (token, head); rows past the real pseudo-heads are never stored
+    # epilogue: pseudo-head p -> (token, head); rows past the real pseudo-heads are never stored; a split item's
+    # outputs are its partials (offsets taken here, not held through the tile loop)
+    out_ptr, lse_ptr, maxl_ptr = _item_outputs(out_ptr, lse_ptr, maxl_ptr, w, m_blocks, num_splits, H,
+                                               KV_SPLIT)
     l_i = gl.convert_layout(gl.sum(l_acc, axis=1), rows_o)
     p_o, tok, hh = _pseudo_heads(mb, tok0, H, rows_o, GROUPED)
     row_ok = p_o < n_heads
@@ -229,28 +237,31 @@ def _consumer(q_v, q_r, ring_v, ring_r, ready, empty, rows_ptr, bits_ptr, row_st
     else:
         cols = gl.arange(0, _DV, layout=gl.SliceLayout(0, o_l))
         o_row = out_ptr + tok.to(gl.int64) * stride_ot + hh.to(gl.int64) * stride_oh
-        gl.store(o_row[:, None] + cols[None, :], o.to(dt), mask=row_ok[:, None])
+        gl.store(o_row[:, None] + cols[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 @gluon.jit
 def _consumer_loop(q_v, q_r, ring_v, ring_r, ready, empty, q_bars, rows_ptr, bits_ptr, nrows_ptr, gstart_ptr,
                    glen_ptr, route_ptr, row_stride, N, H, K, m_blocks, group_heads, has_nrows, has_route, num_work,
                    out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, qk_scale, has_lse, sink_ptr, maxl_ptr,
-                   stride_mt, has_sink, has_maxl, GROUPED: gl.constexpr, HAS_PE: gl.constexpr,
-                   STAGES: gl.constexpr, ABLATE: gl.constexpr, O_VIA_SMEM: gl.constexpr):
+                   stride_mt, has_sink, has_maxl, num_splits,
+                   GROUPED: gl.constexpr, HAS_PE: gl.constexpr, STAGES: gl.constexpr, ABLATE: gl.constexpr,
+                   O_VIA_SMEM: gl.constexpr, KV_SPLIT: gl.constexpr):
     """Persistent consumers: per work item, wait for its Q, run the tiles, store, then free the Q buffer."""
     c = 0
     it = 0  # the items this CTA has run (items with no real pseudo-head are skipped by every partition)
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
-        gid, mb, tok0, n_rows, n_heads = _resolve_item(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
-                                                       m_blocks, group_heads, has_nrows, has_route, GROUPED)
+        gid, mb, tok0, n_rows, n_heads, col0, sid = _resolve_work(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
+                                                                  m_blocks, group_heads, has_nrows, has_route,
+                                                                  num_splits, GROUPED, KV_SPLIT)
+        rows_w, bits_w = _item_rows(rows_ptr, bits_ptr, col0, KV_SPLIT)
         if mb * _BH < n_heads:
             n_tiles = gl.cdiv(n_rows, _BN)
             mbarrier.wait(q_bars.index(0), it & 1)  # Q landed
             fence_async_shared()
-            _consumer(q_v, q_r, ring_v, ring_r, ready, empty, rows_ptr, bits_ptr, row_stride, N, gid, n_rows, n_tiles,
+            _consumer(q_v, q_r, ring_v, ring_r, ready, empty, rows_w, bits_w, row_stride, N, gid, n_rows, n_tiles,
                       mb, tok0, H, n_heads, out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, qk_scale, has_lse,
                       sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl, GROUPED, HAS_PE, STAGES, ABLATE, O_VIA_SMEM,
-                      c)
+                      c, w, m_blocks, num_splits, KV_SPLIT)
             gl.thread_barrier()  # every consumer warp is done with Q (and the O staged through it) ...
             mbarrier.arrive(q_bars.index(1), count=1)  # ... before one thread frees it
             c += n_tiles
@@ -264,10 +275,10 @@ def sparse_mqa_sm90_kernel(
     q_ptr, kv_ptr, rows_ptr, bits_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, out_ptr, lse_ptr,
     stride_qt, stride_qh, stride_kvn, row_stride, stride_ot, stride_oh, stride_lt,
     N, H, K, qk_scale, m_blocks, group_heads, has_nrows, has_route, has_lse,
-    sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl, num_work,
+    sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl, num_work, num_splits,
     GROUPED: gl.constexpr, HAS_PE: gl.constexpr, STAGES: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ABLATE: gl.constexpr, O_VIA_SMEM: gl.constexpr,
-    KV_FP8: gl.constexpr, num_warps: gl.constexpr,
+    KV_FP8: gl.constexpr, KV_SPLIT: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Work items (list, m-block) w = 0 .. num_work - 1, the m-blocks of a list adjacent (they share its rows
     in L2); CTA p takes w = p, p + grid, ... (persistent when the grid is smaller than num_work: the next item's
@@ -303,8 +314,10 @@ def sparse_mqa_sm90_kernel(
         (_consumer_loop, (q_v, q_r, ring_v, ring_r, ready, empty, q_bars, rows_ptr, bits_ptr, nrows_ptr, gstart_ptr,
                           glen_ptr, route_ptr, row_stride, N, H, K, m_blocks, group_heads, has_nrows, has_route,
                           num_work, out_ptr, lse_ptr, stride_ot, stride_oh, stride_lt, qk_scale, has_lse, sink_ptr,
-                          maxl_ptr, stride_mt, has_sink, has_maxl, GROUPED, HAS_PE, STAGES, ABLATE, O_VIA_SMEM)),
+                          maxl_ptr, stride_mt, has_sink, has_maxl, num_splits,
+                          GROUPED, HAS_PE, STAGES, ABLATE, O_VIA_SMEM, KV_SPLIT)),
         (_producer_loop, (q_ptr, kv_ptr, rows_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, stride_qt, stride_qh,
                           stride_kvn, row_stride, N, H, K, m_blocks, group_heads, has_nrows, has_route, num_work,
-                          q_v, q_r, ring_v, ring_r, ready, empty, q_bars, GROUPED, HAS_PE, STAGES, KV_FP8)),
+                          q_v, q_r, ring_v, ring_r, ready, empty, q_bars, num_splits, GROUPED, HAS_PE, STAGES,
+                          KV_FP8, KV_SPLIT)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])

@@ -1,0 +1,107 @@
+"""The split count S of ``sparse_mla_fwd(kv_splits=None)`` (plain Python, CPU-testable).
+
+A few-token step (decode, an MTP / speculative verify, a chunked-prefill tail) has fewer work items (lists x
+64-pseudo-head tiles) than the GPU has SMs, and each item walks its whole list of up to 2048 kv rows alone. With S
+splits, S programs share one list, each over 1 / S of its rows, and ``sparse_mla.mqa.split_combine`` merges their
+partials exactly. The shape alone decides (no device data is read), so the choice is the same on every replay of a
+captured CUDA graph.
+
+The rule (``KV_SPLIT_MODEL``, the one place its constants live; the H200 issue fits them): S is the largest count
+such that the split work still fits one wave of the SMs and every split keeps at least ``min_rows_per_split`` rows:
+S = min(max_splits, num_sms // work_items, rows_per_list // min_rows_per_split), and 1 when that is below 2 (the
+step already fills the GPU, or its lists are too short to pay for the combine). Its constants are first estimates,
+not yet measured (results to come from the H200 run of ``sparse-mla bench --scenario few-token``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MAX_KV_SPLITS = 64  # the largest forced split count accepted (more only adds empty splits and combine work)
+TILE_PSEUDO_HEADS = 64  # pseudo-heads per work item (the Gluon kernels' BLOCK_H; the Triton kernel's 16-64 tiles)
+
+
+@dataclass(frozen=True)
+class KVSplitModel:
+    """The constants of the automatic split choice."""
+
+    min_rows_per_split: int = 256  # fewer rows per split spend more on the extra prologue / combine than they save
+    max_splits: int = 16  # the combine reads S partial rows per (token, head)
+    waves: float = 1.0  # split work items per SM aimed for
+
+
+KV_SPLIT_MODEL = KVSplitModel()
+
+
+def require_kv_splits(kv_splits: object) -> int | None:
+    """``kv_splits`` validated: None or an int in [1, MAX_KV_SPLITS].
+
+    Raises:
+        TypeError: not None and not an int (a bool is refused).
+        ValueError: an int outside [1, MAX_KV_SPLITS].
+    """
+    if kv_splits is None:
+        return None
+    if isinstance(kv_splits, bool) or not isinstance(kv_splits, int):
+        raise TypeError(f"kv_splits must be None or an int, got {type(kv_splits).__name__}")
+    if not 1 <= kv_splits <= MAX_KV_SPLITS:
+        raise ValueError(f"kv_splits must be in [1, {MAX_KV_SPLITS}], got {kv_splits}")
+    return kv_splits
+
+
+def num_sms(device: torch.device) -> int:
+    """SMs of ``device`` (a CUDA device's multiprocessor count); 1 elsewhere (the interpreter runs one program at a
+    time: splitting only adds work)."""
+    if device.type != "cuda":
+        return 1
+    key = str(device)
+    if key not in _SMS:
+        _SMS[key] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[key]
+
+
+_SMS: dict[str, int] = {}
+
+
+def work_items(num_lists: int, pseudo_heads: int) -> int:
+    """Work items of a launch: lists x tiles of ``TILE_PSEUDO_HEADS`` pseudo-heads."""
+    return num_lists * -(-pseudo_heads // TILE_PSEUDO_HEADS)
+
+
+def choose_kv_splits(kv_splits: int | None, *, num_lists: int, pseudo_heads: int, rows_per_list: int, sms: int,
+                     split_capable: bool = True, model: KVSplitModel | None = None) -> tuple[int, str]:
+    """(S, reason): the split count of a launch of ``num_lists`` lists of ``rows_per_list`` kv rows (top-k, or a
+    group's estimated union) over ``pseudo_heads`` rows per list, on ``sms`` SMs.
+
+    Args:
+        kv_splits: the caller's value: an int forces S (validated by ``require_kv_splits``), None chooses by
+            ``model`` (default ``KV_SPLIT_MODEL``).
+        split_capable: whether the attention backend that would run has a split-KV variant; None then gives 1.
+    """
+    forced = require_kv_splits(kv_splits)
+    if forced is not None:
+        return forced, f"kv_splits={forced} forced"
+    m = model or KV_SPLIT_MODEL
+    if not split_capable:
+        return 1, "the attention backend that runs here has no split-KV variant"
+    if sms <= 1:
+        return 1, "not a GPU: one program runs at a time, splitting only adds work"
+    w = work_items(num_lists, pseudo_heads)
+    if w == 0:
+        return 1, "no work item"
+    by_fill = int(sms * m.waves) // w
+    by_rows = rows_per_list // m.min_rows_per_split
+    s = min(m.max_splits, by_fill, by_rows)
+    if s < 2:
+        if by_fill < 2:
+            return 1, f"{w} work items fill the {sms} SMs"
+        return 1, f"{rows_per_list} rows per list < 2 x {m.min_rows_per_split} rows per split"
+    limit = ("max_splits" if s == m.max_splits else
+             f"{sms} SMs / {w} work items" if s == by_fill else f"{rows_per_list} rows / {m.min_rows_per_split}")
+    return s, f"{w} work items on {sms} SMs: S = {s} splits of ~{-(-rows_per_list // s)} rows (bound: {limit})"
+
+
+__all__ = ["KVSplitModel", "KV_SPLIT_MODEL", "MAX_KV_SPLITS", "require_kv_splits", "choose_kv_splits", "num_sms",
+           "work_items"]
