@@ -283,12 +283,15 @@ def warmup(
             sparse_mla_fwd(q_all[:T], kv, idx_all[:T], scale, method="per_token", return_lse=with_lse,
                            kv_format=kv_format, **extras(T, with_tl, with_sink, with_ml))
             calls += 1
-    # split-KV launches (few-token steps: sparse_mla.mqa.kv_splits) and their combine, per token and grouped
+    # split-KV launches (few-token steps: sparse_mla.mqa.kv_splits) and their combine, per token and grouped (the
+    # kernels take S at run time: one variant serves every S). Grouped on an FP8 cache: the staged route (the
+    # automatic choice does not split grouped tiles that dequantize in the gather: backends.kv_split_missing)
     T = min(2, cap)
     for method in ("per_token", "grouped"):
+        route = "staged" if method == "grouped" and kv_format is not None else "auto"
         for with_lse, with_tl, with_sink, with_ml in modes:
             sparse_mla_fwd(q_all[:T], kv, idx_all[:T], scale, method=method, return_lse=with_lse, kv_format=kv_format,
-                           kv_splits=2, workspace=workspace if method == "grouped" else None,
+                           kv_dequant=route, kv_splits=2, workspace=workspace if method == "grouped" else None,
                            group_size=G if method == "grouped" else None,
                            **extras(T, with_tl, with_sink, with_ml))
             calls += 1

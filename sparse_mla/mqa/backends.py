@@ -217,6 +217,34 @@ def kv_split_missing(backend: str, *, grouped: bool, kv_fp8: bool) -> str | None
     return gluon_sm90.kv_split_missing(grouped, kv_fp8)
 
 
+def require_kv_split_runs(*, grouped: bool, kv_fp8: bool) -> None:
+    """Raise before any launch where a split launch cannot run: ``SPARSE_MLA_MQA_BACKEND=gluon_sm90`` forced and the
+    Gluon kernel has no split variant for it (otherwise such a launch runs the Triton kernel's).
+
+    Raises:
+        ValueError: that case, with the reason."""
+    if (env.get(env.MQA_BACKEND).strip() or "auto") != "gluon_sm90":
+        return
+    missing = kv_split_missing("gluon_sm90", grouped=grouped, kv_fp8=kv_fp8)
+    if missing is not None:
+        raise ValueError(f"{ENV_VAR}=gluon_sm90 but {missing}; use kv_splits=1 or another backend")
+
+
+def launch_backend(q, kv, pseudo_heads: int, *, grouped: bool, kv_split: bool, kv_fp8: bool) -> tuple[str, str]:
+    """(backend, reason) of a launch of ``pseudo_heads`` rows per tile on such tensors, as ``per_token`` / ``grouped``
+    decide it (the split fallback included; kv_fp8: an fp8_ds_mla cache dequantized in the kernel). For
+    ``explain_fwd``; "error" with the reason where the selection raises."""
+    try:
+        name, why = select_backend(q, kv, None, pseudo_heads=pseudo_heads)
+    except ValueError as exc:
+        return "error", str(exc)
+    if kv_split:
+        missing = kv_split_missing(name, grouped=grouped, kv_fp8=kv_fp8)
+        if missing is not None:
+            return "triton", missing
+    return name, why
+
+
 def _split_fallback(name: str, why: str, kv_split, kv, grouped: bool) -> tuple[str, str]:
     """(backend, reason) once split-KV partials are asked for: a backend without a split variant for the launch hands
     it to the Triton kernel; a forced gluon_sm90 without one raises."""

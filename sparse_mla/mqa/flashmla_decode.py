@@ -17,7 +17,9 @@ returned as a transposed [b, h_q, s_q] view. It differs from FlashMLA where Flas
 64 or 128), a bf16 / fp16 cache as well as the FP8 one, topk not a multiple of 64, topk_length with d_qk 576, fp16 q,
 a CPU run through Triton's interpreter. Not served (ValueError): the dense mode (indices=None), the second cache
 (extra_k_cache, DeepSeek-V4) and FlashMLA's MODEL1 FP8 layout (d_qk 512, 584-byte rows).
-``flash_mla_with_kvcache_ref`` is the fp32 reference of the call.
+``flash_mla_with_kvcache_ref`` is the fp32 reference of the call. FP8 rows: FlashMLA multiplies a value by its tile's
+scale in bf16, this package in fp32 and rounds once (``sparse_mla.kv_format``): the same numbers for power-of-two
+(ue8m0) scales, which FlashMLA's tests and vLLM's fp8_ds_mla cache use; other scales may differ by one bf16 rounding.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from . import backends as mqa_backends
 from .checks import SparseMLAProblem, check_sink_and_max_logits, validate_fwd_buffers, validate_sparse_mla_args
 from .kv_splits import choose_kv_splits, num_sms, require_kv_splits
 from .selection import resolve_method
-from .split_combine import combine_splits, split_partials
+from .split_combine import MAX_SPLIT_PARTIAL_BYTES, combine_splits, partial_bytes, split_partials
 from .triton_tl import D_V
 
 logger = logging.getLogger("sparse_mla")
@@ -120,7 +120,7 @@ def sparse_mla_fwd(
             shape by ``sparse_mla.mqa.kv_splits.choose_kv_splits`` (work items against the SM count; 1 on a step
             that fills the GPU, on the CPU, and where the backend that runs has no split variant); an int in
             [1, 64] forces S (a backend without a split variant then hands the call to the Triton kernel).
-            ``explain_fwd`` says which S and why. The partial buffers ([S, T, H, 512] fp32) are allocated per call.
+            ``explain_fwd`` says which S and why. The partial buffers ([T, S, H, 512] fp32) are allocated per call.
 
     Conventions (this API): a query with no valid row gets out 0, lse -inf, max_logits -inf.
     ``sparse_mla.flash_mla_sparse_fwd`` is the FlashMLA-compatible call (its shapes, lse +inf there).
@@ -165,13 +165,14 @@ def sparse_mla_fwd(
                              overlap_guard=overlap_guard, out=out, lse=lse, workspace=workspace,
                              extra_outputs={"max_logits": max_logits}, extra_inputs={"attn_sink": attn_sink})
     require_kernel_tensor("q", p.q)  # kv and out share its device and dtype
+    fp8_route = _fp8_route_choice(p, kv_dequant, chosen == "grouped", G) if p.kv_format is not None else None
+    S, split_reason = _choose_splits(p, chosen, G, out, kv_splits, fp8_route)  # raises before any launch
     if out is None:
         out = torch.empty(T, H, d_v, dtype=q.dtype, device=q.device)
     if lse is None and return_lse:
         lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
-    if p.kv_format is not None:
-        p, reason = _fp8_route(p, kv_dequant, chosen == "grouped", G, workspace, reason)
-    S, split_reason = _choose_splits(p, chosen, G, out, kv_splits)
+    if fp8_route is not None:
+        p, reason = _fp8_route(p, fp8_route, workspace, reason)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("sparse_mla_fwd: T=%d H=%d K=%d kv_format=%s -> %s (%s); kv splits %d (%s)", T, H, p.topk,
                      kv_format, chosen, reason, S, split_reason)
@@ -191,48 +192,78 @@ def sparse_mla_fwd(
     return (out, lse) if return_lse else out
 
 
-def _choose_splits(p: SparseMLAProblem, chosen: str, G: int, out: torch.Tensor | None, kv_splits: int | None):
+def _choose_splits(p: SparseMLAProblem, chosen: str, G: int, out: torch.Tensor | None, kv_splits: int | None,
+                   fp8_route: tuple[str, str] | None):
     """(S, reason) of a validated call: ``choose_kv_splits`` on its work items (per token: T lists of H heads;
-    grouped: T / G lists of G * H pseudo-heads over about K * GROUPED_UNION_RATIO_ESTIMATE union rows)."""
+    grouped: T / G lists of G * H pseudo-heads over about K * GROUPED_UNION_RATIO_ESTIMATE union rows). Raises before
+    any launch where a forced S > 1 cannot run: the forced Gluon backend has no split variant for the launch, or the
+    partials would pass ``MAX_SPLIT_PARTIAL_BYTES``."""
     T, H = p.num_tokens, p.num_heads
-    if chosen == "grouped":
+    if T == 0:
+        return 1, "no query row"
+    grouped = chosen == "grouped"
+    if grouped:
         lists, pseudo, rows = -(-T // G), G * H, int(p.topk * GROUPED_UNION_RATIO_ESTIMATE)
     else:
         lists, pseudo, rows = T, H, p.topk
-    capable = True
-    if kv_splits is None:
-        backend, _ = mqa_backends.select_backend(p.q, p.kv, out, pseudo_heads=pseudo)
-        capable = mqa_backends.kv_split_missing(backend, grouped=chosen == "grouped", kv_fp8=p.kv_format is not None) is None
-    return choose_kv_splits(kv_splits, num_lists=lists, pseudo_heads=pseudo, rows_per_list=rows,
-                            sms=num_sms(p.q.device), split_capable=capable)
+    kv_fp8 = fp8_route is not None and fp8_route[0] == "in_kernel"
+    backend, _ = mqa_backends.select_backend(p.q, p.kv, out, pseudo_heads=pseudo)
+    missing = mqa_backends.kv_split_missing(backend, grouped=grouped, kv_fp8=kv_fp8)
+    S, why = choose_kv_splits(kv_splits, num_lists=lists, pseudo_heads=pseudo, rows_per_list=rows,
+                              sms=num_sms(p.q.device), split_capable=missing is None)
+    if S > 1:
+        need = partial_bytes(S, T, H)
+        if need > MAX_SPLIT_PARTIAL_BYTES:
+            if kv_splits is not None:
+                raise ValueError(f"kv_splits={kv_splits} needs {need / 2**30:.1f} GiB of fp32 partials for T = {T}, "
+                                 f"H = {H} (at most {MAX_SPLIT_PARTIAL_BYTES / 2**30:.0f} GiB): split fewer ways")
+            return 1, f"{why}, but its partials would take {need / 2**30:.1f} GiB"
+        mqa_backends.require_kv_split_runs(grouped=grouped, kv_fp8=kv_fp8)
+        if grouped:  # the request tails of a grouped call run the per-token kernel
+            mqa_backends.require_kv_split_runs(grouped=False, kv_fp8=kv_fp8)
+    return S, why
 
 
 def explain_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float = 1.0, *,
                 method: str = "auto", group_size: int | None = None, kv_splits: int | None = None,
-                kv_format: str | None = None, cu_seqlens_q: torch.Tensor | None = None) -> str:
-    """What ``sparse_mla_fwd`` runs for these tensors and options, one line per decision (method, kv splits,
-    attention backend) with its reason; the same functions decide as in the call, nothing is launched.
+                kv_format: str | None = None, kv_dequant: str = "auto",
+                cu_seqlens_q: torch.Tensor | None = None) -> str:
+    """What ``sparse_mla_fwd`` runs for these tensors and options, one line per decision (method, FP8 route, kv
+    splits, attention backend of the main launch) with its reason; the same functions decide as in the call, nothing
+    is launched.
 
-    Raises: what ``sparse_mla_fwd`` raises for bad arguments (before any decision)."""
+    Raises: what ``sparse_mla_fwd`` raises for these arguments before its first launch."""
     p = validate_sparse_mla_args(q, kv, indices, sm_scale, cu_seqlens_q=cu_seqlens_q, kv_format=kv_format)
+    if kv_dequant not in KV_DEQUANT_MODES:
+        raise ValueError(f"kv_dequant must be one of {KV_DEQUANT_MODES}, got {kv_dequant!r}")
     require_kv_splits(kv_splits)
     T, H, _ = p.q.shape
     chosen, reason = resolve_method(method, H, T, group_size)
     G = (group_size or default_group_size(H)) if chosen == "grouped" else 1
-    S, split_reason = _choose_splits(p, chosen, G, None, kv_splits)
-    pseudo = G * H
-    return "\n".join([f"method: {chosen} ({reason})", f"kv splits: {S} ({split_reason})",
-                      mqa_backends.describe_backend(p.q, p.kv) + (f" [{pseudo} pseudo-heads per tile]")])
+    fp8_route = _fp8_route_choice(p, kv_dequant, chosen == "grouped", G) if p.kv_format is not None else None
+    S, split_reason = _choose_splits(p, chosen, G, None, kv_splits, fp8_route)
+    lines = [f"method: {chosen} ({reason})"]
+    if fp8_route is not None:
+        lines.append(f"FP8 cache: {fp8_route[0]} ({fp8_route[1]})")
+    name, why = mqa_backends.launch_backend(p.q, p.kv, G * H, grouped=chosen == "grouped", kv_split=S > 1,
+                                            kv_fp8=fp8_route is not None and fp8_route[0] == "in_kernel")
+    lines += [f"kv splits: {S} ({split_reason})", f"attention backend: {name} ({why}) [{G * H} pseudo-heads per tile]"]
+    return "\n".join(lines)
 
 
-def _fp8_route(p: SparseMLAProblem, mode: str, grouped: bool, G: int, workspace, reason: str):
-    """The problem on the staged rows (kv_format None) or unchanged (in-kernel dequantization), and the reason."""
+def _fp8_route_choice(p: SparseMLAProblem, mode: str, grouped: bool, G: int) -> tuple[str, str]:
+    """("staged" | "in_kernel", reason) of an FP8 cache call (``choose_kv_dequant`` on the rows it gathers)."""
     T, K, N = p.num_tokens, p.topk, p.num_kv_rows
     gathered = T * K if not grouped else int(T * K / G * GROUPED_UNION_RATIO_ESTIMATE)
-    row_bytes = FP8_DS_MLA.d_qk * p.q.element_size()
-    route, why = choose_kv_dequant(mode, N, gathered, row_bytes)
-    if route == "in_kernel":
+    return choose_kv_dequant(mode, N, gathered, FP8_DS_MLA.d_qk * p.q.element_size())
+
+
+def _fp8_route(p: SparseMLAProblem, route: tuple[str, str], workspace, reason: str):
+    """The problem on the staged rows (kv_format None) or unchanged (in-kernel dequantization), and the reason."""
+    name, why = route
+    if name == "in_kernel":
         return p, f"{reason}; FP8 dequantized in the gather: {why}"
+    N = p.num_kv_rows
     buf = workspace.staging_buffer(N, p.q.dtype) if workspace is not None else None
     rows = dequantize_rows(p.kv, p.q.dtype, out=buf)
     return dataclasses.replace(p, kv=rows, kv_format=None), f"{reason}; FP8 cache staged to {p.q.dtype}: {why}"

@@ -10,7 +10,7 @@ The rule (``KV_SPLIT_MODEL``, the one place its constants live; the H200 issue f
 such that the split work still fits one wave of the SMs and every split keeps at least ``min_rows_per_split`` rows:
 S = min(max_splits, num_sms // work_items, rows_per_list // min_rows_per_split), and 1 when that is below 2 (the
 step already fills the GPU, or its lists are too short to pay for the combine). Its constants are first estimates,
-not yet measured (results to come from the H200 run of ``sparse-mla bench --scenario few-token``).
+not yet measured; ``fit_kv_split_model`` fits them on the H200 issue's timings of forced split counts.
 """
 
 from __future__ import annotations
@@ -103,5 +103,49 @@ def choose_kv_splits(kv_splits: int | None, *, num_lists: int, pseudo_heads: int
     return s, f"{w} work items on {sms} SMs: S = {s} splits of ~{-(-rows_per_list // s)} rows (bound: {limit})"
 
 
+def _measured_time(times: dict[int, float], s: int) -> float:
+    """The time of the measured split count nearest to ``s`` (the larger one on a tie)."""
+    best = min(times, key=lambda m: (abs(m - s), -m))
+    return times[best]
+
+
+def fit_kv_split_model(points: list[dict], sms: int,
+                       candidates: list[KVSplitModel] | None = None) -> tuple[KVSplitModel, float]:
+    """Fit ``KV_SPLIT_MODEL`` on measured points (the H200 issue's few-token and decode runs).
+
+    Args:
+        points: dicts with ``num_lists``, ``pseudo_heads``, ``rows_per_list`` (as ``choose_kv_splits`` takes them) and
+            ``times``: {S: ms} of the same call forced to each measured split count (at least S = 1).
+        sms: the SM count of the GPU measured.
+        candidates: the models tried (default: min_rows_per_split 64-1024, max_splits 4-64, waves 0.5-2).
+
+    Returns:
+        (model, mean slowdown): the candidate whose choices lose least against the best measured S per point, as the
+        mean of time(chosen S) / time(best S) (a chosen S not measured takes the nearest measured one's time); on a
+        tie the one that splits less (larger min_rows_per_split, smaller max_splits, fewer waves).
+
+    Raises:
+        ValueError: no points, or a point without its S = 1 time.
+    """
+    if not points:
+        raise ValueError("fit_kv_split_model needs at least one measured point")
+    for pt in points:
+        if 1 not in pt["times"]:
+            raise ValueError(f"every point needs its unsplit (S = 1) time, got splits {sorted(pt['times'])}")
+    if candidates is None:
+        candidates = [KVSplitModel(r, m, w) for r in (64, 128, 256, 512, 1024) for m in (4, 8, 16, 32, 64)
+                      for w in (0.5, 1.0, 2.0)]
+    scored = []
+    for model in candidates:
+        loss = 0.0
+        for pt in points:
+            s, _ = choose_kv_splits(None, num_lists=pt["num_lists"], pseudo_heads=pt["pseudo_heads"],
+                                    rows_per_list=pt["rows_per_list"], sms=sms, model=model)
+            loss += _measured_time(pt["times"], s) / min(pt["times"].values())
+        scored.append((loss / len(points), -model.min_rows_per_split, model.max_splits, model.waves, model))
+    best = min(scored, key=lambda x: x[:4])
+    return best[4], best[0]
+
+
 __all__ = ["KVSplitModel", "KV_SPLIT_MODEL", "MAX_KV_SPLITS", "require_kv_splits", "choose_kv_splits", "num_sms",
-           "work_items"]
+           "work_items", "fit_kv_split_model"]

@@ -40,6 +40,14 @@ class SplitPartials:
     max_logits: torch.Tensor | None
 
 
+MAX_SPLIT_PARTIAL_BYTES = 4 * 2**30  # a forced kv_splits past this raises (the automatic choice does not split then)
+
+
+def partial_bytes(num_splits: int, num_tokens: int, num_heads: int, d_v: int = D_V) -> int:
+    """Bytes of the fp32 partials of a split call (out, lse and max_logits)."""
+    return num_splits * num_tokens * num_heads * (d_v + 2) * 4
+
+
 def split_partials(num_splits: int, num_tokens: int, num_heads: int, device: torch.device, *,
                    with_max_logits: bool, d_v: int = D_V) -> SplitPartials:
     """Allocate the partial buffers of a split-KV call (uninitialized: every element is written by the kernels).
@@ -125,4 +133,4 @@ def combine_splits(parts: SplitPartials, out: torch.Tensor, lse: torch.Tensor | 
         {"num_warps": COMBINE_WARPS})
 
 
-__all__ = ["SplitPartials", "split_partials", "combine_splits"]
+__all__ = ["SplitPartials", "split_partials", "combine_splits", "partial_bytes", "MAX_SPLIT_PARTIAL_BYTES"]

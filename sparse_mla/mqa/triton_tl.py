@@ -61,7 +61,7 @@ def _load_fp8_nope(kv_row, offs_v, row_ok, out_dtype: tl.constexpr, SCALE_OFFSET
     return (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(out_dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_os", "stride_ls", "stride_ms"])  # one split variant for every S
 def _sparse_mqa_fwd_kernel(
     Q, KV, IDX, TOPK_LEN, ROWS, BITS, ULEN, GROUP_START, GROUP_LEN, ROUTE, OUT, LSE, SINK, MAX_LOGITS,
     stride_qt, stride_qh, stride_kvn, stride_it, stride_rg, stride_ot, stride_oh, stride_lt, stride_mt,

@@ -18,11 +18,26 @@ from testlib.fp8 import FP8, fp8_problem
 from testlib.problems import assert_outside_untouched, cu_seqlens, make_problem, neighbour_rows, poisoned_views
 from testlib.tolerances import assert_lse_close, assert_matches_reference
 
-from sparse_mla import sparse_mla_fwd, sparse_mla_ref
+from sparse_mla import SparseMLAWorkspace, sparse_mla_fwd, sparse_mla_ref
 from sparse_mla.mqa import interface, kv_splits, split_combine
 from sparse_mla.mqa.kv_splits import KVSplitModel, choose_kv_splits
 
 N_ROWS = 400
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_partials(monkeypatch):
+    """Every split call's partial buffers start NaN: a partial the kernels fail to write fails the test."""
+    real = split_combine.split_partials
+
+    def poisoned(*args, **kwargs):
+        parts = real(*args, **kwargs)
+        for t in (parts.out, parts.lse, parts.max_logits):
+            if t is not None:
+                t.fill_(float("nan"))
+        return parts
+
+    monkeypatch.setattr(interface, "split_partials", poisoned)
 
 
 def _sink(H: int, seed: int) -> torch.Tensor:
@@ -58,16 +73,36 @@ def test_per_token_splits(S, H, d_qk):
                       method="per_token", kv_splits=S)
 
 
-@pytest.mark.parametrize("S", [2, 3, 8])
-def test_grouped_splits_several_requests(S):
-    """Grouped tiles over unions (G = 8 at H = 16), requests of 5, 0 (no new token) and 4 rows: the grouped and the
-    per-token launch (each request's tail) both write partials, one combine merges them."""
+@pytest.mark.parametrize("S", [1, 2, 3, 8])
+def test_grouped_splits_several_requests(S, monkeypatch):
+    """Grouped tiles over unions (G = 4 at H = 16), requests of 5, 0 (no new token) and 4 rows, no overlap guard: the
+    grouped launch (two groups) and the per-token launch (request 1's tail) both write partials, one combine merges
+    them."""
+    from sparse_mla.mqa import backends
+
+    seen = {}
+
+    def spying(name):
+        real = getattr(backends, name)
+
+        def spy(*a, **k):
+            seen[name] = k.get("kv_split")
+            return real(*a, **k)
+        return spy
+
+    for name in ("grouped", "per_token"):
+        monkeypatch.setattr(backends, name, spying(name))
     H, K, T = 16, 96, 9
     g = torch.Generator().manual_seed(S)
     idx = adversarial_indices(T, K, N_ROWS, generator=g, base=neighbour_rows(T, K, N_ROWS, 0.7, generator=g))
     p = make_problem(T, H, K, N_ROWS, seed=S, indices=idx)
+    ws = SparseMLAWorkspace.for_problem(T, K, H, N_ROWS, DEVICE, group_size=4)
     run_split_checked(p.q, p.kv, p.indices, p.sm_scale, attn_sink=_sink(H, S), method="grouped", kv_splits=S,
-                      cu_seqlens_q=cu_seqlens([5, 0, 4]), group_size=4)
+                      cu_seqlens_q=cu_seqlens([5, 0, 4]), group_size=4, overlap_guard=None, workspace=ws)
+    assert ws.group_len[:3].tolist() == [4, 4, 0], "two groups ran grouped"
+    assert ws.route[:T].tolist().count(1) == 1, "one request tail ran per token"
+    assert set(seen) == {"grouped", "per_token"}
+    assert all((v is not None) == (S > 1) for v in seen.values()), "both launches write partials when S > 1"
 
 
 def test_splits_with_no_valid_row():
@@ -236,6 +271,42 @@ def test_hopper_fp8_grouped_splits_run_the_triton_kernel(hopper, monkeypatch):
     parts = split_combine.split_partials(2, 1, 16, torch.device("cpu"), with_max_logits=False)
     assert backends._split_fallback("gluon_sm90", "x", parts, kv, True) == ("triton", why)
     assert backends._split_fallback("gluon_sm90", "x", parts, kv, False) == ("gluon_sm90", "x")
+    q, idx = torch.zeros(8, 16, 576, dtype=torch.bfloat16), torch.zeros(8, 64, dtype=torch.int32)
+    text = interface.explain_fwd(q, kv, idx, 0.1, method="grouped", kv_format=FP8, kv_dequant="in_kernel", kv_splits=2)
+    assert "attention backend: triton (grouped tiles on an fp8_ds_mla cache" in text, text
     monkeypatch.setenv(backends.ENV_VAR, "gluon_sm90")
     with pytest.raises(ValueError, match="fp8_ds_mla"):
         backends._split_fallback("gluon_sm90", "x", parts, kv, True)
+    # the call's own decision raises before any launch (explain_fwd runs the same decision, launching nothing)
+    with pytest.raises(ValueError, match="gluon_sm90 but grouped tiles on an fp8_ds_mla cache"):
+        interface.explain_fwd(q, kv, idx, 0.1, method="grouped", kv_format=FP8, kv_dequant="in_kernel", kv_splits=2)
+
+
+def test_forced_split_partials_have_a_memory_limit(monkeypatch):
+    """A forced S whose fp32 partials would pass MAX_SPLIT_PARTIAL_BYTES raises; the automatic choice does not split."""
+    monkeypatch.setattr(interface, "MAX_SPLIT_PARTIAL_BYTES", 1000)
+    monkeypatch.setattr(interface, "num_sms", lambda device: 132)
+    p = make_problem(1, 16, 2048, N_ROWS, seed=3, indices=torch.zeros(1, 2048, dtype=torch.int32))
+    with pytest.raises(ValueError, match="kv_splits=4 needs"):
+        sparse_mla_fwd(p.q, p.kv, p.indices, p.sm_scale, kv_splits=4)
+    text = interface.explain_fwd(p.q, p.kv, p.indices)
+    assert "kv splits: 1 (" in text and "GiB" in text
+
+
+def test_fit_recovers_the_model_that_generated_the_times():
+    """Times built so that splitting pays until each split keeps 512 rows and the SMs are filled once: the fit picks
+    a model whose choices are the best measured ones (mean slowdown 1), and refuses points without S = 1."""
+    from sparse_mla.mqa.kv_splits import fit_kv_split_model
+
+    def ms(lists, rows, s):  # one wave of 132 SMs: per split ~rows / s, a fixed 2 us per split launch and combine
+        waves = -(-lists * s // 132)
+        return waves * (rows / s) * 0.001 + (0.002 * s if rows / s < 512 else 0.0)
+
+    pts = [dict(num_lists=n, pseudo_heads=64, rows_per_list=k, times={s: ms(n, k, s) for s in (1, 2, 4, 8, 16)})
+           for n in (1, 4, 16, 64, 256) for k in (2048, 8192)]
+    model, slowdown = fit_kv_split_model(pts, 132)
+    assert slowdown == pytest.approx(1.0, abs=0.02), (model, slowdown)
+    with pytest.raises(ValueError, match="S = 1"):
+        fit_kv_split_model([dict(num_lists=1, pseudo_heads=16, rows_per_list=2048, times={2: 1.0})], 132)
+    with pytest.raises(ValueError, match="at least one"):
+        fit_kv_split_model([], 132)
