@@ -8,6 +8,8 @@
 * ``backends``: the union builder backends a test can force.
 * ``sm90``: compiling kernels for sm_90 with the Gluon kernels' Triton, in a subprocess.
 * ``paths``: the repository, its results/ and README.
+* ``hf_models``: tiny transformers DSA models with the real head dims and per-layer attention probes (import it
+  after ``pytest.importorskip("transformers")``).
 * ``flashmla_cases``, ``cuda_emulation``, ``nvrtc_compile``: FlashMLA's cases, the CUDA union kernel on the CPU,
   NVRTC through ctypes.
 
