@@ -8,7 +8,8 @@
 * ``warmup``: compile every kernel variant a configuration can use, before CUDA-graph capture;
   ``compiled_variant_counts`` counts the compiled variants.
 * ``sparse_mla.integration.transformers`` (the ``hf`` extra; import it by that path): ``apply(model)`` / ``undo(model)``
-  run the attention of transformers' DeepseekV32 / GlmMoeDsa models on ``sparse_mla_fwd`` (docs/integration.md).
+  run the attention of transformers' DeepseekV32 / GlmMoeDsa / Glm5Next / DeepseekV4 models on ``sparse_mla_fwd``
+  (one module per family in ``sparse_mla.integration.hf``; docs/integration.md).
 
 Attributes load lazily (as in ``sparse_mla``), so TRITON_INTERPRET=1 can still be set after import.
 """

@@ -1,5 +1,6 @@
-"""transformers' DSA models (DeepseekV32, GlmMoeDsa) on sparse-mla (``sparse_mla.integration.transformers``), checked
-against transformers' own eager attention on tiny random models with the real head dims (testlib.hf_models).
+"""transformers' DSA models (DeepseekV32, GlmMoeDsa, Glm5Next, DeepseekV4) on sparse-mla
+(``sparse_mla.integration.transformers``), checked against transformers' own eager attention on tiny random models
+with the real head dims (testlib.hf_models).
 
 CPU: fp16 through the Triton interpreter, eager fp32 as the reference; the cuda-bf16 variants (marked gpu) run the
 same checks in bf16. Small indexers tie often, so the per-layer test feeds both sides the same top-k."""
@@ -17,9 +18,11 @@ transformers = pytest.importorskip("transformers", minversion="5.23")
 
 from testlib.device import DEVICE, DTYPE, HAS_CUDA, cpu_only  # noqa: E402
 from testlib.hf_models import (  # noqa: E402
+    attention_modules,
     attention_rows,
     capture_layer_inputs,
     cast_floats,
+    indexer,
     logits_distance,
     tiny_config,
     tiny_models,
@@ -34,8 +37,10 @@ ENVS = [
     pytest.param(("cuda", torch.bfloat16), id="cuda-bf16",
                  marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="bf16 kernels need a CUDA GPU")]),
 ]
-FAMILIES = ["deepseek_v32", "glm_moe_dsa"]
-SEQ = 80  # > index_topk 64: the last 16 queries' top-k drops rows; the first ones' lists hold future positions
+FAMILIES = ["deepseek_v32", "glm_moe_dsa", "glm5_next", "deepseek_v4"]
+# > index_topk (64; Glm5Next: 32 in 2 pools + a tail): the late queries' top-k drops rows; the first ones' lists hold
+# future positions (V32 / GLM-5) or -1 (Glm5Next); DeepseekV4: > its 32-row window, 20 CSA rows (8 picked), 5 HCA rows
+SEQ = 80
 
 
 @pytest.fixture(params=ENVS)
@@ -45,14 +50,19 @@ def env(request):
 
 @contextlib.contextmanager
 def patched(model, **kwargs):
-    """``sparse_hf.apply(model)`` for the body, during which transformers' eager attention raises if it runs (the
-    patched forward must never reach it)."""
+    """``sparse_hf.apply(model)`` for the body, during which transformers' attention functions (eager and any other
+    implementation of the attention interface) raise if they run (the patched forward must never reach them)."""
     def refuse(*args, **kwargs):
         raise AssertionError("transformers' eager attention ran")
+
+    class Refused:
+        def get_interface(self, *args, **kwargs):
+            raise AssertionError("transformers' attention interface was asked for an attention function")
 
     with pytest.MonkeyPatch.context() as mp, sparse_hf.apply(model, **kwargs) as handle:
         for mod in FAMILIES:
             mp.setattr(f"transformers.models.{mod}.modeling_{mod}.eager_attention_forward", refuse)
+            mp.setattr(f"transformers.models.{mod}.modeling_{mod}.ALL_ATTENTION_FUNCTIONS", Refused())
         yield handle
 
 
@@ -60,21 +70,41 @@ def _ids(n: int, batch: int = 1, seed: int = 1, device="cpu") -> torch.Tensor:
     return torch.randint(1, 128, (batch, n), generator=torch.Generator().manual_seed(seed)).to(device)
 
 
+def _check_top_k(family: str, caps: list[dict], device) -> None:
+    """What the first indexed layer's top-k holds, and that its conversion keeps what eager's mask keeps."""
+    if family in ("deepseek_v32", "glm_moe_dsa"):
+        rows = sparse_hf.latent_rows(caps[0]["topk"], caps[0]["kw"]["attention_mask"], SEQ)
+        assert (rows < 0).any() and bool((rows >= 0).all(dim=1)[-1])  # future positions dropped; late rows full
+        assert caps[0]["topk"].shape[-1] == 64 < SEQ  # late queries see more rows than their top-k
+    elif family == "glm5_next":
+        topk = caps[0]["topk"]
+        assert topk.shape[-1] == 32 + 16 - 1  # index_topk + index_kpool - 1, -1 padded
+        rows = sparse_hf.topk_rows(topk, SEQ, caps[0]["kw"]["attention_mask"])
+        counts = (rows >= 0).sum(1)
+        assert int(counts[0]) == 1 and int(counts[-1]) == 32 < SEQ  # the first query: its tail; the last: 2 pools
+        own = (rows.cpu().long() == torch.arange(SEQ).view(-1, 1)).any(1)
+        assert not bool(own.all()) or device == "cuda"  # a query's own token is not always in its list (fp16 picks)
+    else:  # DeepseekV4: CSA layer 0's indexer picks 8 of the compressed rows a query may see, -1 for the early ones
+        topk = caps[0]["topk"]
+        assert topk.shape[-1] == 8 and bool((topk[0, :35] < 0).any()) and bool((topk[0, 35:] >= 0).all())
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_layer_matches_eager_per_row(family, env):
-    """Every layer's per-(token, head) values before o_proj, fed the same inputs and the same top-k (a shared GLM-5
-    layer: the previous layer's), against eager fp32: within the layer row tolerance, and no worse than twice eager's
-    own error in the same dtype."""
+    """Every layer's per-(token, head) values before the output projection, fed the same inputs and the same top-k (a
+    shared GLM-5 / Glm5Next layer: the previous layer's), against eager fp32: within the layer row tolerance, and no
+    worse than twice eager's own error in the same dtype. DeepseekV4: its sliding, CSA and HCA layers, values after
+    the rope slice is rotated back, sinks drawn from N(0, 1) (a dropped sink moves the rows by 2e-2, median)."""
     device, dtype = env
     ref_model, model = tiny_models(family, device, dtype)
     ids = _ids(SEQ, device=device)
     caps = capture_layer_inputs(model, input_ids=ids)
-    rows = sparse_hf.latent_rows(caps[0]["topk"], caps[0]["kw"]["attention_mask"], SEQ)
-    assert (rows < 0).any() and bool((rows >= 0).all(dim=1)[-1])  # future positions dropped; late rows full
-    assert caps[0]["topk"].shape[-1] == 64 < SEQ  # late queries see more rows than their top-k
+    _check_top_k(family, caps, device)
+    attns, attns32 = attention_modules(model), attention_modules(ref_model)
     for i, cap in enumerate(caps):
-        attn, attn32 = model.model.layers[i].self_attn, ref_model.model.layers[i].self_attn
-        assert (attn.indexer is None) == (family == "glm_moe_dsa" and i == 1)
+        attn, attn32 = attns[i], attns32[i]
+        if family in ("glm_moe_dsa", "glm5_next"):
+            assert (indexer(attn) is None) == (i == 1)  # the shared layer
         ref = attention_rows(attn32, cast_floats(cap["kw"], torch.float32), cap["topk"])
         eager = attention_rows(attn, cap["kw"], cap["topk"])
         with patched(model):
@@ -84,11 +114,13 @@ def test_each_layer_matches_eager_per_row(family, env):
         assert float(err.max()) <= 2 * float(eager_err.max()), (i, float(err.max()), float(eager_err.max()))
 
 
-@pytest.mark.parametrize("family, attn", [("deepseek_v32", "eager"), ("glm_moe_dsa", "eager"), ("deepseek_v32", "sdpa")])
+@pytest.mark.parametrize("family, attn", [("deepseek_v32", "eager"), ("glm_moe_dsa", "eager"), ("deepseek_v32", "sdpa"),
+                                          ("glm5_next", "eager"), ("deepseek_v4", "eager")])
 def test_model_logits_within_eager_error(family, attn, env):
     """The whole model's logits after apply: no further from eager fp32 than twice eager's own distance in the same
     dtype (DeepseekV32 with YaRN: the module's scaling carries mscale^2; GLM-5 with a shared indexer layer; a model
-    set to sdpa, whose mask is bool rather than additive)."""
+    set to sdpa, whose mask is bool rather than additive; Glm5Next with its linear-attention, full and shared layers;
+    DeepseekV4 with its sliding, CSA and HCA layers)."""
     device, dtype = env
     ref_model, model = tiny_models(family, device, dtype)
     model.set_attn_implementation(attn)
@@ -115,12 +147,13 @@ def _greedy(model, ids, n):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_generation_matches_eager(family, env):
     """16 greedy tokens with transformers' cache (a 60-token prompt: the decode steps cross index_topk) are eager's
-    tokens. A larger init (0.2) makes the tiny model's tokens vary. Should the two ever part, it must be at a tie:
-    eager fp32's logits of the two tokens closer than 4x eager's own logit error at that step. (No per-step logits
-    bound here: at one step of this run eager fp16's indexer picks 2 rows other than eager fp32's and ours, a tie
-    that moves eager fp16's logits by 6e-2; test_cached_prefill_chunk_and_decode bounds the logits of cached steps.)"""
+    tokens. A larger init (0.2; DeepseekV4: 0.5, its tokens repeat at 0.2) makes the tiny model's tokens vary. Should
+    the two ever part, it must be at a tie: eager fp32's logits of the two tokens closer than 4x eager's own logit
+    error at that step. (No per-step logits bound here: at one step of the DeepseekV32 run eager fp16's indexer picks
+    2 rows other than eager fp32's and ours, a tie that moves eager fp16's logits by 6e-2;
+    test_cached_prefill_chunk_and_decode bounds the logits of cached steps.)"""
     device, dtype = env
-    ref_model, model = tiny_models(family, device, dtype, initializer_range=0.2)
+    ref_model, model = tiny_models(family, device, dtype, initializer_range=0.5 if family == "deepseek_v4" else 0.2)
     ids = _ids(60, seed=2, device=device)
     eager_tokens, eager_logits = _greedy(model, ids, 16)
     with patched(model):
@@ -136,12 +169,29 @@ def test_greedy_generation_matches_eager(family, env):
             break
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
-@pytest.mark.parametrize("family", FAMILIES)
+def _same_cache(family: str, mine, theirs) -> None:
+    """The first attention layer's cache (its inputs are eager's: Glm5Next's layer 0 is linear attention) holds what
+    eager writes, bit for bit: the latents c_kv / k_pe (Glm5Next: a 0-wide k_pe) and the indexer keys; DeepseekV4's
+    CSA layer: the window rows and the compressor's and indexer's compressed rows."""
+    i = 1 if family == "glm5_next" else 0
+    a, b = mine.layers[i], theirs.layers[i]
+    assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    if family == "deepseek_v4":
+        for name in ("compressor", "indexer"):
+            assert a.compressed_kv[name].shape[1] == 77 // 4 and torch.equal(a.compressed_kv[name], b.compressed_kv[name])
+    else:
+        assert torch.equal(a.indexer_keys, b.indexer_keys)
+    assert a.get_seq_length() == b.get_seq_length() == 77
+
+
+@pytest.mark.parametrize("family, cache", [(f, c) for f in FAMILIES for c in ("dynamic", "static")
+                                           if (f, c) != ("deepseek_v4", "static")])
 def test_cached_prefill_chunk_and_decode(family, cache, env):
-    """A cached prefill (50), a chunk (24: queries over cached + new rows, past index_topk) and 3 decode steps through
-    transformers' DynamicCache / StaticCache: each step's logits within twice eager's own distance from eager fp32,
-    and the cache holds what eager writes (the latents c_kv / k_pe and the indexer keys, bit for bit, layer 0)."""
+    """A cached prefill (50), a chunk (24: queries over cached + new rows, past index_topk; DeepseekV4: past its
+    32-row window, over compressed rows of both calls) and 3 decode steps (V4: the first closes a CSA window) through
+    transformers' DynamicCache / StaticCache (V4: dynamic only, its compressor states need its own cache layers):
+    each step's logits within twice eager's own distance from eager fp32, and the cache holds what eager writes
+    (``_same_cache``)."""
     device, dtype = env
     ref_model, model = tiny_models(family, device, dtype)
     ids = _ids(77, device=device)
@@ -159,25 +209,25 @@ def test_cached_prefill_chunk_and_decode(family, cache, env):
     for i, (x, e, r) in enumerate(zip(ours, eager, ref)):
         assert torch.isfinite(x).all()
         assert logits_distance(x, r) <= 2 * logits_distance(e, r) + 1e-4, i
-    mine, theirs = our_cache.layers[0], eager_cache.layers[0]
-    assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
-    assert torch.equal(mine.indexer_keys, theirs.indexer_keys)
-    assert our_cache.get_seq_length() == 77
+    _same_cache(family, our_cache, eager_cache)
 
 
-def test_left_padding_gives_zero_not_nan(env):
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm5_next", "deepseek_v4"])
+def test_left_padding_gives_zero_not_nan(family, env):
     """Batch 2, the second prompt left-padded by 9 with its attention mask: padded queries (no valid row) get 0,
-    never NaN; the real positions' logits are within twice eager's own distance from eager fp32; greedy decoding of
-    the padded batch is eager's."""
+    never NaN (DeepseekV4: in its sliding layer; in CSA / HCA layers a padded query may see compressed rows of
+    padding, as in eager); the real positions' logits are within twice eager's own distance from eager fp32; greedy
+    decoding of the padded batch is eager's."""
     device, dtype = env
-    ref_model, model = tiny_models("deepseek_v32", device, dtype)
+    ref_model, model = tiny_models(family, device, dtype)
     ids = _ids(SEQ, batch=2, device=device)
     mask = torch.ones_like(ids)
     mask[1, :9] = 0
     ids[1, :9] = 0
-    attn = model.model.layers[0].self_attn
+    attn = attention_modules(model)[-1 if family == "deepseek_v4" else 0]
     got = {}
-    hook = attn.o_proj.register_forward_pre_hook(lambda m, args: got.update(x=args[0]))
+    proj = attn.o_proj if hasattr(attn, "o_proj") else attn.o_a_proj
+    hook = proj.register_forward_pre_hook(lambda m, args: got.update(x=args[0]))
     with torch.no_grad():
         ref = ref_model(ids, attention_mask=mask).logits
         eager = model(ids, attention_mask=mask).logits
@@ -185,7 +235,7 @@ def test_left_padding_gives_zero_not_nan(env):
             ours = model(ids, attention_mask=mask).logits
     hook.remove()
     assert torch.isfinite(ours).all() and torch.isfinite(got["x"]).all()
-    assert bool((got["x"][1, :9] == 0).all()) and bool((got["x"][1, 9:].abs().amax(-1) > 0).all())
+    assert bool((got["x"][1, :9] == 0).all()) and bool((got["x"][1, 9:].flatten(1).abs().amax(-1) > 0).all())
     valid = mask.bool()
     assert logits_distance(ours[valid], ref[valid]) <= 2 * logits_distance(eager[valid], ref[valid])
     gen = dict(attention_mask=mask, max_new_tokens=4, do_sample=False)
@@ -196,22 +246,38 @@ def test_left_padding_gives_zero_not_nan(env):
     assert torch.equal(tokens, eager_tokens)
 
 
-def test_shared_indexer_layers_reuse_the_previous_top_k():
-    """GLM-5: a "shared" layer has no indexer; patched, it attends over the previous layer's top-k and hands it on,
-    as eager does, and without one it raises eager's error."""
-    _, model = tiny_models("glm_moe_dsa", DEVICE, DTYPE)
-    seen = []
-    hooks = [layer.self_attn.register_forward_hook(lambda m, a, out: seen.append(out[2])) for layer in model.model.layers]
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "glm5_next"])
+def test_shared_indexer_layers_reuse_the_previous_top_k(family):
+    """GLM-5 / Glm5Next: a "shared" layer has no indexer; patched, it attends over the previous layer's top-k (handed
+    on as eager hands it on: GLM-5 returns every layer's top-k, Glm5Next only a layer whose next one is shared), and
+    without one it raises eager's error."""
+    _, model = tiny_models(family, DEVICE, DTYPE)
+    attns = attention_modules(model)
+    seen, given = [], []
+    hooks = [a.register_forward_hook(lambda m, a, out: seen.append(out[2])) for a in attns]
+    hooks += [a.register_forward_pre_hook(lambda m, a, kw: given.append(kw.get("prev_topk_indices")), with_kwargs=True)
+              for a in attns]
+    first = attns[0].indexer
+    hooks.append(first.register_forward_hook(lambda m, a, out: given.append(out)))
     with torch.no_grad(), sparse_hf.apply(model):
         model(_ids(SEQ, device=DEVICE))
         x = torch.zeros(1, 4, 64, dtype=DTYPE, device=DEVICE)
-        kw = dict(hidden_states=x, position_embeddings=model.model.rotary_emb(x, torch.arange(4, device=DEVICE)[None]),
-                  attention_mask=torch.zeros(1, 1, 4, 4, dtype=DTYPE, device=DEVICE))
+        if family == "glm_moe_dsa":
+            kw = dict(hidden_states=x, position_embeddings=model.model.rotary_emb(x, torch.arange(4, device=DEVICE)[None]),
+                      attention_mask=torch.zeros(1, 1, 4, 4, dtype=DTYPE, device=DEVICE))
+        else:
+            kw = dict(hidden_states=x, attention_mask=torch.ones(1, 4, dtype=torch.bool, device=DEVICE))
         with pytest.raises(ValueError, match="previous full indexer layer"):
-            model.model.layers[1].self_attn(**kw)
+            attns[1](**kw)
     for h in hooks:
         h.remove()
-    assert torch.equal(seen[1], seen[0]) and not torch.equal(seen[2], seen[0])
+    assert attns[1].indexer is None and attns[0].indexer is not None
+    if family == "glm_moe_dsa":  # layers 0 (full), 1 (shared), 2 (full)
+        assert torch.equal(seen[1], seen[0]) and not torch.equal(seen[2], seen[0])
+    else:  # Glm5Next: layer 0 is linear attention, then 1 (full, handing on) and 2 (shared); given: layer 1's
+        # prev_topk (None), its indexer's output, layer 2's prev_topk
+        assert given[0] is None and torch.equal(seen[0], given[1]) and torch.equal(given[2], given[1])
+        assert seen[1] is None
 
 
 def test_undo_restores_eager():
@@ -254,16 +320,17 @@ def test_clear_errors():
     v4 = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(
         vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
         q_lora_rank=16, intermediate_size=32, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2))
-    with pytest.raises(NotImplementedError, match="DeepseekV4"):
+    with pytest.raises(ValueError, match="head_dim 64, 4 kv heads"):
         sparse_hf.apply(v4.half())
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextModel
 
     g5 = Glm5NextTextModel(transformers.Glm5NextTextConfig(
         vocab_size=64, pad_token_id=0, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
         q_lora_rank=16, intermediate_size=32, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
-        layer_types=["linear_attention", "indexed_attention"]))
-    with pytest.raises(NotImplementedError, match="Glm5Next"):
+        layer_types=["linear_attention", "indexed_attention"], kv_lora_rank=256))
+    with pytest.raises(ValueError, match="kv_lora_rank 256.*NoPE"):
         sparse_hf.apply(g5.half())
+    assert not sparse_hf.is_applied(g5) and not sparse_hf.is_applied(v4)
 
 
 def test_latent_rows_follow_the_mask():
@@ -277,6 +344,37 @@ def test_latent_rows_follow_the_mask():
     assert bool((sparse_hf.latent_rows(topk, torch.zeros_like(allowed), 3) == -1).all())
     with pytest.raises(ValueError, match="does not match"):
         sparse_hf.latent_rows(topk, allowed, 4)
+
+
+def test_topk_rows_keep_what_the_glm5_next_mask_keeps():
+    """topk_rows (Glm5Next): -1 padding and out-of-range positions dropped, a repeated position kept once (eager's
+    mask is a set), batch offsets b * T, a query the 2D padding mask drops keeps nothing; valid rows first."""
+    topk = torch.tensor([[[3, -1, 0, 3], [1, 7, -1, -1]], [[2, 2, 0, -1], [0, 1, 2, 3]]], dtype=torch.int32)  # T = 4
+    got = sparse_hf.topk_rows(topk, 4)
+    expect = [[3, 0], [1], [6, 4], [7, 6, 5, 4]]
+    assert [sorted((r[r >= 0]).tolist(), reverse=True) for r in got] == expect
+    assert all(bool((r[:len(e)] >= 0).all()) and bool((r[len(e):] == -1).all()) for r, e in zip(got, expect))
+    keep = torch.tensor([[True, False], [True, True]])
+    assert bool((sparse_hf.topk_rows(topk, 4, keep)[1] == -1).all())
+    with pytest.raises(ValueError, match="does not match"):
+        sparse_hf.topk_rows(topk, 4, keep[:, :1])
+
+
+def test_v4_rows_follow_the_window_mask_and_the_block_bias():
+    """v4_rows (DeepseekV4): the window rows the 4D mask allows, then the compressed rows the block bias leaves at 0
+    (all of them without one, as eager pads with 0), as indices into the [B * L] rows, ascending, -1 padded to the
+    largest count; no mask: every row (eager masks nothing)."""
+    window = torch.tensor([[[[True, True, False], [False, True, True]]]])  # [1, 1, S=2, 3]
+    additive = torch.zeros(1, 1, 2, 3).masked_fill(~window, torch.finfo(torch.float32).min)
+    bias = torch.tensor([[[[0.0, float("-inf")], [float("-inf"), float("-inf")]]]]).expand(2, 1, 2, 2)  # B = 2, C = 2
+    got = sparse_hf.v4_rows(additive, bias, 2, 2, 3, 5)
+    assert got.tolist() == [[0, 1, 3], [1, 2, -1], [5, 6, 8], [6, 7, -1]]
+    assert torch.equal(sparse_hf.v4_rows(window, bias, 2, 2, 3, 5), got)  # a bool mask reads the same
+    assert sparse_hf.v4_rows(window, None, 1, 2, 3, 5).tolist() == [[0, 1, 3, 4], [1, 2, 3, 4]]
+    assert sparse_hf.v4_rows(None, None, 1, 1, 3, 5).tolist() == [[0, 1, 2, 3, 4]]
+    assert sparse_hf.v4_rows(torch.zeros_like(window), None, 1, 2, 3, 3).tolist() == [[-1], [-1]]
+    with pytest.raises(ValueError, match="does not match"):
+        sparse_hf.v4_rows(window, None, 1, 2, 4, 5)
 
 
 def test_import_does_not_import_transformers():
