@@ -245,15 +245,20 @@ def bench(
     kv_dtype: Annotated[KVDType, typer.Option(metavar="same|fp8", help="Latent cache: 'same' (in --dtype) or 'fp8' (the fp8_ds_mla cache of FlashMLA / vLLM, quantized once; every path runs on it, each checked against the reference on the dequantized cache and compared to the unquantized one, plus the dequantize-then-bf16 baseline). Single-GPU benchmark only.")] = KVDType.same,
     trials: Annotated[int | None, typer.Option(metavar="N", show_default=f"{TRIALS_GPU} on one GPU, {TRIALS_TORCHRUN} under torchrun, {TRIALS_INTERPRETER} under the interpreter", help="Timing trials per path (each a do_bench median and 20/80% quantiles).")] = None,
     seed: Annotated[int, typer.Option(metavar="N", help="Seed of the inputs and synthetic lists.")] = 0,
-    json_out: Annotated[str | None, typer.Option("--json", metavar="FILE", show_default="out/bench.json; out/bench_shardq.json under torchrun", help="Where to write the JSON results (results/ holds the committed GPU runs).")] = None,
+    json_out: Annotated[str | None, typer.Option("--json", metavar="FILE", show_default="out/bench.json; out/bench_shardq.json under torchrun; out/bench_op.json with --op-suite", help="Where to write the JSON results (results/ holds the committed GPU runs).")] = None,
     plot_out: Annotated[str | None, typer.Option("--plot", metavar="FILE", show_default="out/bench.png; out/bench_shardq.png under torchrun", help="PNG plot of time per path vs prompt length ('' for none).")] = None,
     wide: Annotated[bool, typer.Option("--wide", help="Print the full table (every path's ms; it is always in the JSON) instead of the compact one that fits 80 columns.")] = False,
+    op_suite: Annotated[list[str] | None, typer.Option("--op-suite", metavar="SUITE", show_default="none: the layer scenarios", help="Run an op-level suite of python -m sparse_mla.bench.op instead of the layer scenarios (repeatable): few-token, decode, grouped, short, mixed, fp8, ...; with --dtype, --trials, --seed, --json, --wide only. No GPU: few-token / decode at interpreter sizes.")] = None,
 ) -> None:
     """Layer-level benchmark: per scenario and model layout, the dispatcher's chosen path and the time of
     every other applicable DSA prefill path (dense MHA, masked MHA, grouped and per-token sparse MQA,
     and per-token padded to 64 heads, what engines run on Hopper), each checked against the fp32
     reference. Without a GPU, runs small scenarios through the Triton interpreter (its timings are not
-    performance numbers)."""
+    performance numbers). With --op-suite: the op-level calls (sparse_mla_fwd, the FlashMLA drop-ins,
+    forced kv_splits, FlashMLA's kernels) per suite case instead, checked the same way."""
+    if op_suite is not None:
+        _bench_op_suites(ctx, op_suite, dtype, trials, seed, json_out, plot_out, wide)
+        return
     new_list = _parse_ints(tokens, "--tokens", minimum=1)
     cached_list = _parse_ints(cached, "--cached")
     _at_least(topk, 1, "--topk")
@@ -337,6 +342,48 @@ def bench(
     report.print_table(rows, not on_gpu, wide=wide)
     typer.echo(f"wrote {json_out}" + (f" and {plot_out}" if plot_out else ""))
     _exit_on_failures([f"{r['scenario']} {f}" for r in rows for f in r["failures"]])
+
+
+OP_SUITE_MOOT = ("model", "dims", "tp", "tokens", "cached", "topk", "overlap", "topk_trace", "kv_dtype")
+
+
+def _bench_op_suites(ctx: typer.Context, names: list[str], dtype: DType, trials: int | None, seed: int,
+                     json_out: str | None, plot_out: str | None, wide: bool) -> None:
+    """``bench --op-suite``: the op bench's suites (``sparse_mla.bench.op``) on one GPU, or their interpreter forms
+    (``op.CPU_SUITES``) without one; writes the op JSON that ``report`` renders, prints its tables, exits 1 when a
+    call failed its check or raised."""
+    moot = _given(ctx, *OP_SUITE_MOOT) + (["--plot"] if plot_out else [])
+    if moot:
+        raise typer.BadParameter("not with --op-suite: the suite sets its cases (shapes, heads, top-k, lists, cache)",
+                                 param_hint=moot[0])
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise typer.BadParameter("runs on one GPU, not under torchrun", param_hint="--op-suite")
+    on_gpu = _kernel_device()
+    import dataclasses
+
+    import torch
+    from tqdm import tqdm
+
+    from .bench import op, report
+
+    try:
+        cases = [dataclasses.replace(c, seed=seed) for name in names for c in op.suite(name, cpu=not on_gpu)]
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--op-suite") from None
+    if not on_gpu:
+        typer.secho("No CUDA GPU: running the suites at interpreter sizes through the Triton interpreter (fp16); "
+                    "its timings are NOT performance numbers.", fg=typer.colors.YELLOW)
+    torch_dtype = torch.float16 if not on_gpu or dtype == DType.fp16 else torch.bfloat16
+    json_out = json_out or "out/bench_op.json"
+    Path(json_out).parent.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(cases, desc="op cases", unit="case")
+    rows = op.run_suites(bar, json_path=json_out, echo=bar.write, trials=default_trials(trials, on_gpu=on_gpu,
+                         torchrun=False), device="cuda" if on_gpu else "cpu", dtype=torch_dtype)
+    report.print_tables(*op.tables(rows, wide, interpreted=not on_gpu), wide=wide)
+    typer.echo(f"wrote {json_out}")
+    _exit_on_failures([f"{r['case']} {name}: " + rec.get("error", rec.get("graph_error", "check failed"))
+                       for r in rows for name, rec in r["calls"].items()
+                       if "error" in rec or rec.get("ok") is False or rec.get("graph_ok") is False])
 
 
 @app.command("report", cls=_Command, short_help="Print the tables of a bench JSON (the README's with --markdown).")

@@ -17,6 +17,10 @@ window (the rows a step can select, as vLLM gathers them per request), with the 
 baseline then runs on that workspace (dequantization included in its time), and ``mqa_per_token_dequant``
 (``DEQUANT_NAME``) is the same at the real H heads: dequantize, then the bf16 per-token kernel the selection
 point picks (the Gluon one on Hopper), against the FP8 paths that dequantize in the kernel's gather.
+
+FlashMLA's sparse decode (the op bench's decode suite, ``sparse_mla.bench.op_decode``): ``flash_mla_decode`` calls it
+where ``flash_mla_decode_kind`` says it runs (the ``flash_mla`` package, or the extension benchmarks/flashmla/build.py
+builds with ``--decode``): FP8 cache only, bf16 q, 64 / 128 heads, Hopper.
 """
 
 from __future__ import annotations
@@ -70,6 +74,82 @@ def flash_mla_takes(device: torch.device, topk: int | None = None, dtype: torch.
     device = torch.device(device)
     return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and dtype == torch.bfloat16
             and (topk is None or topk % FLASHMLA_TOPK_MULTIPLE == 0) and _flash_mla_module() is not None)
+
+
+def _flash_mla_decode_module():
+    """FlashMLA's sparse decode when importable, as (kind, module): ("flash_mla", the ``flash_mla`` package with 9241ae3's
+    ``get_mla_metadata`` / ``flash_mla_with_kvcache``), ("flashmla_sm90" or "flashmla_sm90_decode", the extension of
+    benchmarks/flashmla/build.py with ``sparse_decode_fwd``); else (None, None)."""
+    try:
+        import flash_mla
+
+        if hasattr(flash_mla, "flash_mla_with_kvcache") and hasattr(flash_mla, "get_mla_metadata"):
+            return "flash_mla", flash_mla
+    except Exception:  # not installed, or built for another CUDA / torch
+        pass
+    from importlib import import_module
+
+    for name in ("flashmla_sm90", "flashmla_sm90_decode"):
+        try:
+            mod = import_module(name)
+        except Exception:
+            continue
+        if hasattr(mod, "sparse_decode_fwd"):
+            return name, mod
+    return None, None
+
+
+FLASHMLA_DECODE_D_QK = 576  # the V3.2 FP8 layout (656-byte rows): the layout this package's FP8 cache shares
+
+
+def flash_mla_decode_kind(device: torch.device, dtype: torch.dtype, fp8: bool, d_qk: int = 576,
+                          topk: int | None = None) -> tuple[str | None, str]:
+    """(kind, why): which FlashMLA sparse decode runs the call here (``_flash_mla_decode_module``'s kind), or None
+    and, in a few words, why not: it takes only the FP8 cache (V3.2 layout: "not FP8"), topk a multiple of its 64-row
+    tile ("topk % 64"), bf16 q ("not bf16 q"), on a Hopper GPU ("not Hopper"), and must be importable ("not
+    importable": neither the flash_mla package nor the extension that benchmarks/flashmla/build.py --decode builds)."""
+    device = torch.device(device)
+    if not fp8 or d_qk != FLASHMLA_DECODE_D_QK:
+        return None, "not FP8"
+    if topk is not None and topk % FLASHMLA_TOPK_MULTIPLE:
+        return None, "topk % 64"
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        return None, "not Hopper"
+    if dtype != torch.bfloat16:
+        return None, "not bf16 q"
+    kind, _ = _flash_mla_decode_module()
+    if kind is None:
+        return None, "not importable"
+    return kind, "importable"
+
+
+def flash_mla_decode(q: torch.Tensor, k_cache: torch.Tensor, indices: torch.Tensor, sm_scale: float, *,
+                     topk_length: torch.Tensor | None = None, attn_sink: torch.Tensor | None = None):
+    """A zero-argument call of FlashMLA's sparse decode on these tensors (q [b, s_q, 64 | 128, 576] bf16, k_cache
+    [num_blocks, page_block_size, 1, 656] FP8 bytes, indices [b, s_q, topk] int32 physical rows) returning (out
+    [b, s_q, h_q, 512], lse [b, h_q, s_q]); its schedule metadata is made by the first call and reused after, as an
+    engine reuses it across a step's layers (FlashMLA's ``get_mla_metadata()`` object, or the tensors the
+    extension returns). None where FlashMLA's decode is not importable.
+
+    FlashMLA's call: ``flash_mla_with_kvcache(q, k_cache, None, None, 512, meta, None, sm_scale, False, True,
+    indices, attn_sink, None, None, topk_length, None)``; the extension's: ``sparse_decode_fwd(q, k_cache, indices,
+    topk_length, attn_sink, tile_scheduler_metadata, num_splits, d_v, sm_scale)`` -> [out, lse,
+    tile_scheduler_metadata, num_splits]."""
+    kind, mod = _flash_mla_decode_module()
+    if kind is None:
+        return None
+    if kind == "flash_mla":
+        meta, _ = mod.get_mla_metadata()
+        return lambda: mod.flash_mla_with_kvcache(q, k_cache, None, None, 512, meta, None, sm_scale, False, True, indices,
+                                                  attn_sink, None, None, topk_length, None)
+    sched: list = [None, None]
+
+    def call():
+        out, lse, sched[0], sched[1] = mod.sparse_decode_fwd(q, k_cache, indices, topk_length, attn_sink, sched[0],
+                                                             sched[1], 512, sm_scale)
+        return out, lse
+
+    return call
 
 
 def pad64_baseline_kind(device: torch.device, kv_format: str | None = None, *, topk: int | None = None,
@@ -174,4 +254,5 @@ def mqa_per_token_dequant(inputs: dict, out: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["PAD64_NAME", "PAD_HEADS", "PATH_COLUMNS", "DEQUANT_NAME", "pad64_supports", "pad64_baseline_kind",
+           "flash_mla_decode", "flash_mla_decode_kind",
            "mqa_per_token_pad64", "dequantize_windows", "dequant_supports", "mqa_per_token_dequant"]

@@ -13,7 +13,7 @@ KINDS = {  # kind -> what writes it
     "shardq": "sparse-mla bench under torchrun",
     "shardq_layer": "python -m sparse_mla.bench.shardq_layer",
     "kv_fp8": "python -m sparse_mla.bench.kv_fp8",
-    "op": "python -m sparse_mla.bench.op",
+    "op": "python -m sparse_mla.bench.op or sparse-mla bench --op-suite",
 }
 # kind -> (the key of the rows in the document, the keys every row has)
 SHAPES = {
@@ -21,7 +21,7 @@ SHAPES = {
     "shardq": ("results", ("model", "tp", "tokens", "variant", "total_ms", "attn_ms", "xchg_q_ms", "xchg_out_ms")),
     "shardq_layer": ("results", ("model", "tp", "tokens", "variant", "chunks", "total_ms", "exposed_exchange_ms")),
     "kv_fp8": ("rows", ("case", "variant")),
-    "op": ("rows", ("case", "calls")),
+    "op": ("rows", ("case", "calls")),  # op.run_case's rows and op_decode's (api "flash_mla_with_kvcache")
 }
 INTERPRETER_NOTE = "(Triton interpreter run: the times are not performance numbers)"
 

@@ -10,7 +10,18 @@ sampled tokens, then timed (``sparse_mla.bench.timing``: do_bench medians, L2 fl
 * ``flashmla``: FlashMLA's SM90 sparse prefill (``benchmarks/flashmla/build.py``; module ``flashmla_sm90`` or a
   ``flash_mla`` package) on q zero-padded to 64 heads when H < 64 (what Hopper engines run), on q itself at 64 /
   128 heads; where FlashMLA is not importable, ``pad64_sparse_mla``: this package's per-token call on the padded q,
-  labelled so (``baseline_kind``). The padded q is built once, outside the timed call.
+  labelled so (``baseline_kind``). The padded q is built once, outside the timed call;
+* ``split<S>`` (cases with ``kv_splits``, the few-token suite): the ``auto`` call with ``kv_splits=S`` forced, each
+  into its own poisoned output; the row records the automatic S and why (``kv_splits_auto``, ``kv_splits_reason``:
+  ``sparse_mla.mqa.interface.explain_fwd``) and the fastest forced S that passed its check (``best_split``): the data
+  ``sparse_mla.mqa.kv_splits.KV_SPLIT_MODEL`` is fitted on. In such cases every call is also captured in a CUDA graph
+  and replayed on a GPU (``graph_ms``: the device time without the host path; the replay's output checked:
+  ``graph_err``, ``graph_ok``; ``graph_vs_flashmla``).
+
+Suites (``SUITES``; ``sparse-mla bench --op-suite NAME`` runs them too): the prefill-shaped ones here, "few-token"
+(1-256 new tokens over 32K / 128K cached rows, and 64 requests x 2 tokens), and "decode" (FlashMLA's decode call,
+``sparse_mla.bench.op_decode``, whose rows carry ``api`` = "flash_mla_with_kvcache"). ``CPU_SUITES``: the few-token
+and decode suites at interpreter sizes. Tables: ``sparse_mla.bench.op_tables`` (re-exported here).
 
 Lists (``OpCase.lists``): "uniform" = the per-token protocol (query i takes ``topk`` distinct uniform rows of
 [0, cached + i]); an overlap preset of ``sparse_mla.workloads.topk`` ("high", "mid", "low", "none", "random");
@@ -35,7 +46,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from . import op_decode
 from .baselines import PAD_HEADS, flash_mla_fwd, flash_mla_takes
+from .op_tables import CAPTION, COMPACT_COLUMNS, WIDE_COLUMNS, format_rows, markdown_rows, row_cells, tables  # noqa: F401
+from .timing import graph_figures, host_time_us  # host_time_us re-exported: benchmarks/host_profile.py
 
 MATMUL_TFLOPS = 790.0  # bf16 dense matmul measured on the H200 (docs/notes/measuring.md)
 COPY_TBPS = 4.3  # device copy measured on the H200
@@ -62,6 +76,7 @@ class OpCase:
     seed: int = 0
     batch: tuple[tuple[int, int], ...] | None = None  # per-request (cached, new): overrides cached / new / requests
     kv_fp8: bool = False  # the cache as fp8_ds_mla rows (the bf16 cache's rows quantized; d_qk 576)
+    kv_splits: tuple[int, ...] = ()  # forced split counts timed beside the automatic one (calls split<S>)
 
     def requests_lens(self) -> tuple[list[int], list[int]]:
         """Per-request cached and new token counts."""
@@ -250,6 +265,8 @@ def make_calls(case: OpCase, inp: dict) -> dict:
     }
     if H > 64:
         calls.pop("grouped")
+    for s in case.kv_splits:  # the auto call with S forced, each into its own poisoned output
+        calls[f"split{s}"] = _split_call(q, kv, idx, inp["sm_scale"], out_pt.clone(), s, common)
     heads = PAD_HEADS if H <= PAD_HEADS else 128  # FlashMLA's SM90 kernel takes 64 or 128 heads
     qp = torch.zeros(T, heads, q.shape[2], dtype=q.dtype, device=q.device)
     qp[:, :H] = q
@@ -266,6 +283,12 @@ def make_calls(case: OpCase, inp: dict) -> dict:
         calls["flashmla"] = lambda: sparse_mla_fwd(qp, kv, idx, inp["sm_scale"], method="per_token", out=outp,
                                                    topk_length=inp["topk_length"], attn_sink=sinkp)[:, :H]
     return calls
+
+
+def _split_call(q, kv, idx, sm_scale: float, out: torch.Tensor, s: int, common: dict):
+    from .. import sparse_mla_fwd
+
+    return lambda: sparse_mla_fwd(q, kv, idx, sm_scale, out=out, kv_splits=s, **common)
 
 
 def _fp8_calls(inp: dict, common: dict) -> dict:
@@ -316,22 +339,11 @@ def check_rows(out: torch.Tensor, inp: dict, sample: torch.Tensor) -> float:
     return float(torch.where(ok_zero, 0.0, num / den).max())
 
 
-def host_time_us(fn, calls: int = 40) -> float:
-    """CPU microseconds per call of ``calls`` back-to-back calls while a sleep kernel queued first keeps the GPU busy
-    (the host work is measured, not the queue); few enough calls that their launches fit CUDA's launch queue."""
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(1e9))  # ~0.5 s of GPU cycles ahead of the calls
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
-
-
 def run_case(case: OpCase, *, calls: tuple[str, ...] = CALLS, trials: int = 1, host: bool = False,
-             device: str = "cuda", dtype: torch.dtype = torch.bfloat16, rep_ms: int = 50) -> dict:
-    """Inputs, check, timings of one case; returns its JSON row."""
+             device: str = "cuda", dtype: torch.dtype = torch.bfloat16, rep_ms: int = 50, graph: bool | None = None) -> dict:
+    """Inputs, check, timings of one case; returns its JSON row. ``graph`` (default: for a case with ``kv_splits``):
+    on a GPU, each call also captured in a CUDA graph and replayed (``timing.graph_figures``: ``graph_ms``, the
+    device time without the host path, ``graph_err`` / ``graph_ok`` of the replay's output)."""
     from .timing import time_trials
 
     on_gpu = torch.device(device).type == "cuda"
@@ -344,7 +356,10 @@ def run_case(case: OpCase, *, calls: tuple[str, ...] = CALLS, trials: int = 1, h
     row = {"case": case.name, **asdict(case), "tokens": T, "kv_rows": inp["N"], "useful_tflop": flops / 1e12,
            "baseline": baseline_kind(device, inp["indices"].shape[1], dtype), **uf, "floor_ms": fl, "calls": {}}
     fns = make_calls(case, inp)
-    for name in (tuple(fns) if case.kv_fp8 else calls):
+    if case.kv_splits:
+        row["explain_fwd"] = explain_splits(inp)
+        row["kv_splits_auto"], row["kv_splits_reason"] = op_decode.auto_splits(row["explain_fwd"])
+    for name in (tuple(fns) if case.kv_fp8 else (*calls, *(n for n in fns if n.startswith("split")))):
         if name not in fns:
             continue
         fn = fns[name]
@@ -358,18 +373,31 @@ def run_case(case: OpCase, *, calls: tuple[str, ...] = CALLS, trials: int = 1, h
             rec["tflops"] = flops / (t["ms"] * 1e-3) / 1e12
             if host and on_gpu:
                 rec["host_us"] = host_time_us(fn)
+            if (bool(case.kv_splits) if graph is None else graph) and on_gpu:
+                rec.update(graph_figures(fn, lambda o: check_rows(o, inp, sample), ROW_TOL[dtype], trials=trials,
+                                         rep_ms=rep_ms))
         except Exception as exc:  # recorded, not hidden: a failing call is a row with its error
             rec["error"] = f"{type(exc).__name__}: {exc}"
         row["calls"][name] = rec
-    base = row["calls"].get("flashmla", {}).get("ms")
+    base = row["calls"].get("flashmla", {})
     bf16 = row["calls"].get("bf16_auto", {}).get("ms")
     for rec in row["calls"].values():
-        if base and rec.get("ms"):
-            rec["vs_flashmla"] = base / rec["ms"]
+        for key, ms in (("vs_flashmla", "ms"), ("graph_vs_flashmla", "graph_ms")):
+            if base.get(ms) and rec.get(ms):
+                rec[key] = base[ms] / rec[ms]
         if bf16 and rec.get("ms"):
             rec["vs_bf16_cache"] = rec["ms"] / bf16
     row["explain"] = explain_call(case, inp)
+    if case.kv_splits:
+        row["best_split"] = op_decode.best_split(row)
     return row
+
+
+def explain_splits(inp: dict) -> str:
+    """``explain_fwd`` of the default call on the case's tensors (method, kv splits and backend, with reasons)."""
+    from ..mqa.interface import explain_fwd
+
+    return explain_fwd(inp["q"], inp["kv"], inp["indices"], inp["sm_scale"], cu_seqlens_q=inp["cu_seqlens_q"])
 
 
 def explain_call(case: OpCase, inp: dict) -> str:
@@ -380,11 +408,19 @@ def explain_call(case: OpCase, inp: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------- suites
-def suite(name: str) -> list[OpCase]:
-    """The named case lists (``SUITES``)."""
-    if name not in SUITES:
-        raise ValueError(f"suite must be one of {sorted(SUITES)}, got {name!r}")
-    return SUITES[name]()
+def suite(name: str, cpu: bool = False) -> list:
+    """The named case list (``SUITES``; ``cpu``: its interpreter form, ``CPU_SUITES``).
+
+    Raises:
+        ValueError: an unknown name, or (``cpu``) a suite without an interpreter form; the message lists the names.
+    """
+    table = CPU_SUITES if cpu else SUITES
+    if name not in table:
+        if cpu and name in SUITES:
+            raise ValueError(f"suite {name!r} has GPU sizes only (no CUDA GPU here); suites with an interpreter form: "
+                             f"{', '.join(CPU_SUITES)}")
+        raise ValueError(f"suite must be one of {', '.join(SUITES)}, got {name!r}")
+    return table[name]()
 
 
 def _grouped() -> list[OpCase]:
@@ -441,8 +477,26 @@ def _sweep() -> list[OpCase]:
     return out
 
 
+def few_token_cases(cached=(32768, 131072), tokens=(1, 4, 16, 64, 256), heads=(16, 64), topk: int = 2048,
+                    requests: int = 64, request_tokens: int = 2, request_cached: int = 32768,
+                    splits: tuple[int, ...] = op_decode.SPLITS) -> list[OpCase]:
+    """The few-token suite (defaults: the H200's): T new tokens over each cached length, then ``requests`` requests of
+    ``request_tokens`` tokens over ``request_cached`` rows each (cu_seqlens_q); "mid" lists; every case times
+    ``kv_splits=S`` forced for S in ``splits`` beside the automatic S."""
+    out = [OpCase(h, "mid", c, t, topk=topk, kv_splits=tuple(splits)) for c in cached for h in heads for t in tokens]
+    return out + [OpCase(h, "mid", request_cached, requests * request_tokens, topk=topk, cu_seqlens=True,
+                         requests=requests, kv_splits=tuple(splits)) for h in heads]
+
+
+def cpu_few_token_cases() -> list[OpCase]:
+    """The few-token suite at interpreter sizes (1 / 4 tokens over 48 rows and 4 requests x 2 tokens, 16 heads)."""
+    return few_token_cases(cached=(48,), tokens=(1, 4), heads=(16,), topk=16, requests=4, request_cached=24,
+                           splits=(1, 2, 4))
+
+
 SUITES = {"grouped": _grouped, "nooverlap": _nooverlap, "protocol": _protocol, "v4": _v4, "short": _short,
-          "mixed": _mixed, "fp8": _fp8, "sweep": _sweep}
+          "mixed": _mixed, "fp8": _fp8, "sweep": _sweep, "few-token": few_token_cases, **op_decode.SUITES}
+CPU_SUITES = {"few-token": cpu_few_token_cases, **op_decode.CPU_SUITES}
 
 
 def replay_status() -> dict:
@@ -462,117 +516,68 @@ def provenance() -> dict:
             "torch": torch.__version__}
 
 
+def run_any(case, *, calls: tuple[str, ...] = CALLS, **kw) -> dict:
+    """``run_case`` of an ``OpCase``, ``op_decode.run_decode_case`` of a ``DecodeCase`` (``calls`` do not apply:
+    a decode case runs all of its calls)."""
+    if isinstance(case, op_decode.DecodeCase):
+        return op_decode.run_decode_case(case, **kw)
+    return run_case(case, calls=calls, **kw)
+
+
+def case_line(row: dict) -> str:
+    """One progress line of a row: its case and each call's ms (host us), ERR where it raised."""
+    cells = "  ".join(f"{n} {r['ms']:.3f}" + (f" ({r['host_us']:.0f}us)" if "host_us" in r else "") + ("!" if r.get("ok")
+                      is False else "") if "ms" in r else f"{n} ERR" for n, r in row["calls"].items())
+    split = f"  [S {row['kv_splits_auto']}]" if "kv_splits_auto" in row else ""
+    return f"{row['case']:42s} {cells}{split}"
+
+
+def run_suites(cases: list, *, json_path: str | None = None, budget_s: float = 0, echo=print, **kw) -> list[dict]:
+    """Run ``cases`` (``run_any``; ``kw``: its calls / trials / host / device / dtype / rep_ms), echo a line per case,
+    and rewrite ``json_path`` (the op JSON: meta = ``provenance()`` + ``replay_status()``, rows) after every case.
+    ``budget_s`` > 0: start no case after that many seconds."""
+    rows, t0 = [], time.time()
+    for i, case in enumerate(cases):
+        if budget_s and time.time() - t0 > budget_s:
+            echo(f"budget reached after {i} of {len(cases)} cases")
+            break
+        rows.append(run_any(case, **kw))
+        echo(case_line(rows[-1]))
+        if json_path:
+            with open(json_path, "w") as f:
+                json.dump({"meta": {**provenance(), "replay": replay_status()}, "rows": rows}, f, indent=1)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m sparse_mla.bench.op", description=__doc__.split("\n\n")[0])
     ap.add_argument("--suite", action="append", help=f"case list(s): {', '.join(SUITES)} (repeatable)")
-    ap.add_argument("--calls", default=",".join(CALLS), help="comma-separated calls to time")
+    ap.add_argument("--calls", default=",".join(CALLS), help="comma-separated calls to time (prefill-shaped cases; "
+                    "the split<S> calls of a case with kv_splits and every decode call always run)")
     ap.add_argument("--trials", type=int, default=1)
     ap.add_argument("--rep-ms", type=int, default=50)
     ap.add_argument("--host", action="store_true", help="also measure host time per call")
+    ap.add_argument("--graph", action=argparse.BooleanOptionalAction, default=None,
+                    help="also time each call as a CUDA-graph replay (default: decode cases and cases with kv_splits)")
     ap.add_argument("--budget-s", type=float, default=0, help="stop starting cases after this many seconds (0: none)")
     ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--fit", metavar="JSON", action="append", help="runs nothing: fit kv_splits.KV_SPLIT_MODEL on the "
+                    "forced-split rows of op JSONs (few-token / decode suites; op_decode.kv_split_points; repeatable)")
+    ap.add_argument("--sms", type=int, default=132, help="with --fit: the SM count of the GPU measured (H200: 132)")
     args = ap.parse_args(argv)
-    cases = [c for s in (args.suite or ["grouped"]) for c in suite(s)]
+    if args.fit:
+        print(op_decode.fit(args.fit, args.sms))
+        return 0
+    try:
+        cases = [c for s in (args.suite or ["grouped"]) for c in suite(s)]
+    except ValueError as e:
+        ap.error(str(e))
     calls = tuple(c for c in args.calls.split(",") if c)
-    rows, t0 = [], time.time()
-    for i, case in enumerate(cases):
-        if args.budget_s and time.time() - t0 > args.budget_s:
-            print(f"budget reached after {i} of {len(cases)} cases", file=sys.stderr)
-            break
-        row = run_case(case, calls=calls, trials=args.trials, host=args.host, rep_ms=args.rep_ms)
-        rows.append(row)
-        cells = "  ".join(f"{n} {r['ms']:.3f}" + (f" ({r['host_us']:.0f}us)" if "host_us" in r else "")
-                          if "ms" in r else f"{n} ERR" for n, r in row["calls"].items())
-        print(f"{case.name:42s} {cells}", flush=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"meta": {**provenance(), "replay": replay_status()}, "rows": rows}, f, indent=1)
+    run_suites(cases, json_path=args.json, budget_s=args.budget_s, echo=lambda line: print(line, flush=True),
+               calls=calls, trials=args.trials, host=args.host, rep_ms=args.rep_ms, graph=args.graph)
     return 0
-
-
-# ------------------------------------------------------------------------------------------- tables
-# Rendered by `sparse-mla report` (sparse_mla.bench.kinds) from a JSON that main() wrote.
-COMPACT_COLUMNS = ("case", "per_token", "grouped", "auto", "base", "auto vs", "max err")  # fits 80 columns
-WIDE_COLUMNS = ("case", "T", "union (G)", "per_token", "grouped", "auto", "drop_in", "base", "baseline", "auto vs",
-                "floor pt", "floor grp", "max err", "auto host us")
-
-
-def _ms_cell(rec: dict | None) -> str:
-    """A call's ms ("!" after a failed check), ERR if it raised, "-" where it did not run."""
-    if not rec:
-        return "-"
-    if "error" in rec:
-        return "ERR"
-    return _num(rec.get("ms"), ".3g") + ("!" if rec.get("ok") is False else "")
-
-
-def _num(v: float | None, spec: str) -> str:
-    return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
-
-
-def _speedup(v: float | None) -> str:
-    return "-" if v is None else _num(v, ".2f") + "x"
-
-
-def _failed(row: dict) -> bool:
-    """Whether a call of the row failed its check or raised."""
-    return any(rec.get("ok") is False or "error" in rec for rec in row.get("calls", {}).values())
-
-
-def _row_figures(row: dict) -> dict[str, str]:
-    calls = row.get("calls", {})
-    errs = [rec["max_row_err"] for rec in calls.values() if "max_row_err" in rec]
-    union = "-" if row.get("union_ratio") is None else f"{row['union_ratio']:.2f} ({row.get('group_size')})"
-    floors_ms = row.get("floor_ms", {})
-    return {"case": row["case"], "T": str(row.get("tokens", "-")), "union (G)": union,
-            **{name: _ms_cell(calls.get(name)) for name in CALLS if name != "flashmla"},
-            "base": _ms_cell(calls.get("flashmla")), "baseline": row.get("baseline", "-"),
-            "auto vs": _speedup(calls.get("auto", {}).get("vs_flashmla")),
-            "floor pt": _num(floors_ms.get("per_token"), ".3g"), "floor grp": _num(floors_ms.get("grouped"), ".3g"),
-            "max err": (_num(max(errs), ".1e") if errs else "-") + ("!" if _failed(row) else ""),
-            "auto host us": _num(calls.get("auto", {}).get("host_us"), ".0f")}
-
-
-def row_cells(rows: list[dict], wide: bool = False) -> tuple[list[str], list[list[str]]]:
-    """(head, cells) of ``run_case`` rows: ``COMPACT_COLUMNS`` (case, ms of per_token / grouped / auto and of the
-    baseline, auto's speedup over the baseline, max row error over the calls; "!" after a failed check, ERR for a
-    call that raised, "-" for one that did not run) or with ``wide`` ``WIDE_COLUMNS`` (tokens, union ratio, drop_in,
-    which baseline ran, the floors, auto's host time as well)."""
-    head = list(WIDE_COLUMNS if wide else COMPACT_COLUMNS)
-    return head, [[fig[h] for h in head] for fig in map(_row_figures, rows)]
-
-
-CAPTION = ("ms per call; base = the baseline (FlashMLA's sparse prefill, or pad64_sparse_mla where FlashMLA is not "
-           "importable: this package's per-token call on q padded to 64 heads); auto vs = the baseline's time over auto's")
-
-
-def tables(rows: list[dict], wide: bool = False, interpreted: bool = False) -> list:
-    """The rich table of ``row_cells``, then the errors of the calls that raised."""
-    from .report import make_table
-
-    head, cells = row_cells(rows, wide)
-    note = " [INTERPRETER: timings not meaningful]" if interpreted else ""
-    out: list = [make_table("sparse-mla op bench" + note, head, cells,
-                            caption=CAPTION + ("" if wide else "; --wide: more"), left=(0, 8) if wide else (0,),
-                            failed=[_failed(row) for row in rows])]
-    return out + [f"{row['case']} / {name}: {rec['error']}" for row in rows for name, rec in row.get("calls", {}).items()
-                  if "error" in rec]
-
-
-def format_rows(rows: list[dict], wide: bool = False, width: int | None = None, interpreted: bool = False) -> str:
-    """``tables`` as text, ``width`` columns wide (default 80; ``wide``: as wide as the table needs)."""
-    from .report import render_text
-
-    return render_text(*tables(rows, wide, interpreted), width=width, wide=wide)
-
-
-def markdown_rows(rows: list[dict]) -> str:
-    """The wide table of ``row_cells`` as a markdown table."""
-    from .report import markdown_cells
-
-    return markdown_cells(*row_cells(rows, wide=True))
 
 
 if __name__ == "__main__":

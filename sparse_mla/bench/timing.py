@@ -1,6 +1,7 @@
 """Timing: CUDA events through ``triton.testing.do_bench`` (warm-up, L2 flushed before every run,
 median and 20 / 80 % quantiles of the runs), repeated over independent trials; or one wall-clock
-run under the Triton interpreter (not a performance number).
+run under the Triton interpreter (not a performance number); ``host_time_us``: the CPU time per call of
+back-to-back calls; ``graph_figures``: the device time of a call captured in a CUDA graph and replayed.
 
 Repetitions are capped by time: ``do_bench`` estimates one call from 5 runs and then repeats
 ``max(1, rep_ms / estimate)`` times, so a trial of a 120 ms call costs about 8 calls (~1 s) and a
@@ -58,4 +59,59 @@ def time_trials(fn: Callable[[], object], *, on_gpu: bool, trials: int, warmup_m
             "p80_ms": statistics.median(r[2] for r in runs), "min_ms": min(meds), "max_ms": max(meds), "trials_ms": meds}
 
 
-__all__ = ["time_trial", "time_trials", "WARMUP_MS", "REP_MS", "QUANTILES"]
+def host_time_us(fn: Callable[[], object], calls: int = 40) -> float:
+    """CPU microseconds per call of ``calls`` back-to-back calls while a sleep kernel queued first keeps the GPU busy
+    (the host work is measured, not the queue); few enough calls that their launches fit CUDA's launch queue."""
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(1e9))  # ~0.5 s of GPU cycles ahead of the calls
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def _tensors(value) -> list:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for v in (value if isinstance(value, (tuple, list)) else ()) for t in _tensors(v)]
+
+
+def graph_figures(fn: Callable[[], object], check: Callable[[object], float], tol: float, *, trials: int,
+                  rep_ms: int = REP_MS) -> dict:
+    """``fn`` as an engine's step runs it on a GPU: captured once in a CUDA graph (after a warm-up call on a side
+    stream), then replayed; the device time without the host path. Its outputs (what the captured call returned,
+    rewritten by every replay) are NaN-filled, one replay runs, ``check`` of them must be <= ``tol``.
+
+    Returns:
+        {"graph_ms": median replay ms (``time_trials``), "graph_err": check's figure, "graph_ok": within tol}, or
+        {"graph_error": "<type>: <message>", "graph_ok": False} when the capture or a replay raises.
+    """
+    import torch
+
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
+        for t in _tensors(out):
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        err = check(out)
+        t = time_trials(graph.replay, on_gpu=True, trials=trials, rep_ms=rep_ms)
+        return {"graph_ms": t["ms"], "graph_err": err, "graph_ok": err <= tol}
+    except Exception as exc:  # recorded: a call that cannot be captured is a finding, not a crash of the bench
+        return {"graph_error": f"{type(exc).__name__}: {exc}", "graph_ok": False}
+
+
+__all__ = ["time_trial", "time_trials", "host_time_us", "graph_figures", "WARMUP_MS", "REP_MS", "QUANTILES"]
