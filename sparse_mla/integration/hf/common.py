@@ -29,6 +29,18 @@ def modeling_function(module: torch.nn.Module, name: str):
     return getattr(sys.modules.get(type(module).__module__), name, None)
 
 
+def require_rope(name: str, module: torch.nn.Module, function: str):
+    """The module's rope function ``function`` from its own modeling file.
+
+    Raises:
+        ValueError: the modeling file has none (a rope layout this integration does not replicate)."""
+    rope = modeling_function(module, function)
+    if rope is None:
+        raise ValueError(f"{name}: {type(module).__module__} has no {function}: a rope layout this integration does not "
+                         "replicate")
+    return rope
+
+
 def check_attrs(name: str, module: torch.nn.Module, attrs) -> None:
     missing = [a for a in attrs if not hasattr(module, a)]
     if missing:

@@ -28,8 +28,8 @@ from .common import (
     check_scaling,
     check_weight,
     mask_allows,
-    modeling_function,
     require_inference,
+    require_rope,
     state,
 )
 
@@ -52,11 +52,7 @@ def check(name: str, module: torch.nn.Module, family: str) -> dict:
         raise ValueError(f"{name}: sinks must be one logit per head ({module.num_heads}), got "
                          f"{getattr(sinks, 'shape', sinks)}")
     check_scaling(name, module.scaling)
-    rope = modeling_function(module, ROPE)
-    if rope is None:
-        raise ValueError(f"{name}: {type(module).__module__} has no {ROPE}: a rope layout this integration does not "
-                         "replicate")
-    return {"rope": rope}
+    return {"rope": require_rope(name, module, ROPE)}
 
 
 def v4_rows(attention_mask: torch.Tensor | None, block_bias: torch.Tensor | None, batch: int, seq: int, window: int,

@@ -23,8 +23,8 @@ from .common import (
     check_weight,
     latent_attention,
     latent_rows,
-    modeling_function,
     require_inference,
+    require_rope,
     state,
 )
 
@@ -46,11 +46,7 @@ def check(name: str, module: torch.nn.Module, family: str) -> dict:
     rows = module.num_heads * (module.qk_nope_head_dim + module.v_head_dim)
     check_weight(name, "kv_b_proj", module.kv_b_proj, (rows, KV_LORA_RANK))
     check_scaling(name, module.scaling)
-    rope = modeling_function(module, ROPE)
-    if rope is None:
-        raise ValueError(f"{name}: {type(module).__module__} has no {ROPE}: a rope layout this integration does not "
-                         "replicate")
-    return {"rope": rope}
+    return {"rope": require_rope(name, module, ROPE)}
 
 
 def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
