@@ -70,8 +70,9 @@ def _resolve_list(gid, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K, group_h
 @gluon.jit
 def _resolve_work(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K, m_blocks, group_heads, has_nrows, has_route,
                   num_splits, GROUPED: gl.constexpr, KV_SPLIT: gl.constexpr):
-    """Work item w: (gid, mb, first token, rows, real pseudo-heads, first column, split). Without KV_SPLIT,
-    ``_resolve_item``'s with column and split 0. With KV_SPLIT, w = (list * num_splits + split) * m_blocks + mb (a
+    """Work item w: (gid, mb, first token, rows, real pseudo-heads, first column). Without KV_SPLIT,
+    ``_resolve_item``'s with column 0 (``_item_outputs`` derives the split from w where the epilogue needs it).
+    With KV_SPLIT, w = (list * num_splits + split) * m_blocks + mb (a
     list's splits and m-blocks adjacent: they share its rows in L2); the split takes the list's columns
     [col0, col0 + rows), col0 = split * chunk, chunk = the list's rows / num_splits rounded up to a pair of tiles
     (0 rows past the list's end: the item writes an empty partial)."""
@@ -89,16 +90,15 @@ def _resolve_work(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K, m_blocks,
         gid, mb, tok0, n_rows, n_heads = _resolve_item(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K, m_blocks,
                                                        group_heads, has_nrows, has_route, GROUPED)
         col0 = 0
-        sid = 0
-    return gid, mb, tok0, n_rows, n_heads, col0, sid
+    return gid, mb, tok0, n_rows, n_heads, col0
 
 @gluon.jit
-def _item_rows(rows_ptr, bits_ptr, col0, KV_SPLIT: gl.constexpr):
-    """The rows / membership-word pointers of an item: its split's first column (KV_SPLIT) or the list's."""
+def _item_rows(rows_ptr, col0, KV_SPLIT: gl.constexpr):
+    """A list pointer (rows or membership words) at an item's first column: its split's (KV_SPLIT) or the list's."""
     if KV_SPLIT:
-        return rows_ptr + col0, bits_ptr + col0
+        return rows_ptr + col0
     else:
-        return rows_ptr, bits_ptr
+        return rows_ptr
 
 @gluon.jit
 def _item_outputs(out_ptr, lse_ptr, maxl_ptr, w, m_blocks, num_splits, H, KV_SPLIT: gl.constexpr):

@@ -138,10 +138,10 @@ def _pair_producer(q_ptr, kv_ptr, rows_ptr, nrows_ptr, gstart_ptr, glen_ptr, rou
     k = 0
     it = 0  # the items this CTA has run (items with no real pseudo-head are skipped by every partition)
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
-        gid, mb, tok0, n_rows, n_heads, col0, sid = _resolve_work(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
+        gid, mb, tok0, n_rows, n_heads, col0 = _resolve_work(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
                                                                   m_blocks, group_heads, has_nrows, has_route,
                                                                   num_splits, GROUPED, KV_SPLIT)
-        rows_w, bits_w = _item_rows(rows_ptr, rows_ptr, col0, KV_SPLIT)
+        rows_w = _item_rows(rows_ptr, col0, KV_SPLIT)
         if mb * _BH < n_heads:
             n_pairs = gl.cdiv(n_rows, 2 * _BN)
             if n_pairs > 0:
@@ -294,10 +294,11 @@ def _pair_wg0(q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_
     k = 0
     it = 0  # the items this CTA has run (items with no real pseudo-head are skipped by every partition)
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
-        gid, mb, tok0, n_rows, n_heads, col0, sid = _resolve_work(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
+        gid, mb, tok0, n_rows, n_heads, col0 = _resolve_work(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
                                                                   m_blocks, group_heads, has_nrows, has_route,
                                                                   num_splits, GROUPED, KV_SPLIT)
-        rows_w, bits_w = _item_rows(rows_ptr, bits_ptr, col0, KV_SPLIT)
+        rows_w = _item_rows(rows_ptr, col0, KV_SPLIT)
+        bits_w = _item_rows(bits_ptr, col0, KV_SPLIT)
         if mb * _BH < n_heads:
             n_pairs, row_bit, m_i, l_i, o, s = _pair_item(mb, n_rows, n_heads, H)
             cols = _no_cols(s_l, GROUPED)
@@ -346,10 +347,11 @@ def _pair_wg1(q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_
     k = 0
     it = 0  # the items this CTA has run (items with no real pseudo-head are skipped by every partition)
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
-        gid, mb, tok0, n_rows, n_heads, col0, sid = _resolve_work(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
+        gid, mb, tok0, n_rows, n_heads, col0 = _resolve_work(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
                                                                   m_blocks, group_heads, has_nrows, has_route,
                                                                   num_splits, GROUPED, KV_SPLIT)
-        rows_w, bits_w = _item_rows(rows_ptr, bits_ptr, col0, KV_SPLIT)
+        rows_w = _item_rows(rows_ptr, col0, KV_SPLIT)
+        bits_w = _item_rows(bits_ptr, col0, KV_SPLIT)
         if mb * _BH < n_heads:
             n_pairs, row_bit, m_i, l_i, o, s = _pair_item(mb, n_rows, n_heads, H)
             mbarrier.wait(q_bars.index(0), it & 1)  # Q landed

@@ -118,10 +118,10 @@ def _producer_loop(q_ptr, kv_ptr, rows_ptr, nrows_ptr, gstart_ptr, glen_ptr, rou
     c = 0
     it = 0  # the items this CTA has run (items with no real pseudo-head are skipped by every partition)
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
-        gid, mb, tok0, n_rows, n_heads, col0, sid = _resolve_work(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
+        gid, mb, tok0, n_rows, n_heads, col0 = _resolve_work(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
                                                                   m_blocks, group_heads, has_nrows, has_route,
                                                                   num_splits, GROUPED, KV_SPLIT)
-        rows_w, bits_w = _item_rows(rows_ptr, rows_ptr, col0, KV_SPLIT)
+        rows_w = _item_rows(rows_ptr, col0, KV_SPLIT)
         if mb * _BH < n_heads:
             n_tiles = gl.cdiv(n_rows, _BN)
             n_pre = gl.minimum(n_tiles, STAGES)
@@ -250,10 +250,11 @@ def _consumer_loop(q_v, q_r, ring_v, ring_r, ready, empty, q_bars, rows_ptr, bit
     c = 0
     it = 0  # the items this CTA has run (items with no real pseudo-head are skipped by every partition)
     for w in range(gl.program_id(0), num_work, gl.num_programs(0)):
-        gid, mb, tok0, n_rows, n_heads, col0, sid = _resolve_work(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
+        gid, mb, tok0, n_rows, n_heads, col0 = _resolve_work(w, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, H, K,
                                                                   m_blocks, group_heads, has_nrows, has_route,
                                                                   num_splits, GROUPED, KV_SPLIT)
-        rows_w, bits_w = _item_rows(rows_ptr, bits_ptr, col0, KV_SPLIT)
+        rows_w = _item_rows(rows_ptr, col0, KV_SPLIT)
+        bits_w = _item_rows(bits_ptr, col0, KV_SPLIT)
         if mb * _BH < n_heads:
             n_tiles = gl.cdiv(n_rows, _BN)
             mbarrier.wait(q_bars.index(0), it & 1)  # Q landed
