@@ -30,16 +30,23 @@ def main():
     ap.add_argument("--kv-dtype", default="bf16", choices=("bf16", "fp8"),
                     help="fp8: the cache as fp8_ds_mla rows (ue8m0 scales; an FP8 cache runs the split schedule "
                     "whatever --schedule says: gluon_sm90.schedule_for)")
+    ap.add_argument("--d-qk", type=int, default=576, choices=(576, 512), help="q / kv row width (512: no RoPE part)")
+    ap.add_argument("--sink", action="store_true", help="attn_sink [H] and topk_length [T] (all of topk), the "
+                    "flash_mla_sparse_fwd form")
     a = ap.parse_args()
     os.environ["SPARSE_MLA_MQA_BACKEND"] = "gluon_sm90"
     gluon_sm90.config.SCHEDULE = a.schedule
     dev = torch.device("cuda")
     T, H, N, K = a.tokens, a.heads, 32768, 2048
     torch.manual_seed(0)
-    q = torch.randn(T, H, 576, device=dev, dtype=torch.bfloat16)
-    kv = torch.randn(N, 576, device=dev, dtype=torch.bfloat16)
+    D = a.d_qk
+    q = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16)
+    kv = torch.randn(N, D, device=dev, dtype=torch.bfloat16)
     idx = torch.rand(T, N, device=dev).topk(K, dim=1).indices.to(torch.int32)
-    kw = {}
+    kw, sink_kw = {}, {}
+    if a.sink:
+        sink_kw = dict(attn_sink=torch.randn(H, device=dev), topk_length=torch.full((T,), K, device=dev,
+                                                                                    dtype=torch.int32))
     if a.kv_dtype == "fp8":
         from sparse_mla.kv_format import FP8_DS_MLA
 
@@ -52,9 +59,9 @@ def main():
         fm = flash_mla_fwd()
         if fm is None:
             raise SystemExit("FlashMLA is not importable: build it with benchmarks/flashmla/build.py, put it on PYTHONPATH")
-        call = lambda: fm(q, kv[:, None, :], idx[:, None, :], 576 ** -0.5, d_v=512)  # noqa: E731
+        call = lambda: fm(q, kv[:, None, :], idx[:, None, :], D ** -0.5, d_v=512, **sink_kw)  # noqa: E731
     else:
-        call = lambda: sparse_mla_fwd(q, kv, idx, 576 ** -0.5, **kw)  # noqa: E731
+        call = lambda: sparse_mla_fwd(q, kv, idx, D ** -0.5, **kw, **sink_kw)  # noqa: E731
     for _ in range(3):
         call()
     torch.cuda.synchronize()

@@ -443,6 +443,14 @@ def _v4() -> list[OpCase]:
     return [OpCase(h, "v4:mid", 16384, 8192, topk=512, d_qk=512, sink=True, topk_length=True) for h in (8, 16)]
 
 
+def _dp() -> list[OpCase]:
+    """Every head on one rank (data-parallel attention, issue 43's table): the protocol's per-token cases, DeepSeek-V4
+    lists (D_qk 512, attn_sink, 512 compressed + 128 window rows) and 128K cached + 8K new, at 128 and 64 heads."""
+    out = _protocol()
+    out += [OpCase(h, "v4:mid", 16384, 8192, topk=512, d_qk=512, sink=True, topk_length=True) for h in (64, 128)]
+    return out + [OpCase(128, "uniform", 131072, 8192)]
+
+
 def _short() -> list[OpCase]:
     return [OpCase(h, "mid", 32768, t) for h in (16, 64) for t in (1, 16, 64, 256, 1024)]
 
@@ -494,7 +502,7 @@ def cpu_few_token_cases() -> list[OpCase]:
                            splits=(1, 2, 4))
 
 
-SUITES = {"grouped": _grouped, "nooverlap": _nooverlap, "protocol": _protocol, "v4": _v4, "short": _short,
+SUITES = {"grouped": _grouped, "nooverlap": _nooverlap, "protocol": _protocol, "v4": _v4, "dp": _dp, "short": _short,
           "mixed": _mixed, "fp8": _fp8, "sweep": _sweep, "few-token": few_token_cases, **op_decode.SUITES}
 CPU_SUITES = {"few-token": cpu_few_token_cases, **op_decode.CPU_SUITES}
 
