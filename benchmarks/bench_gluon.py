@@ -86,7 +86,7 @@ def register_pair(name, path):
 FLASHMLA_HEADS = (64, 128)  # the head counts FlashMLA's SM90 sparse prefill takes (others crash it: pad instead)
 
 
-def flashmla_call(q, kv, idx, sm):
+def flashmla_call(q, kv, idx, sm, attn_sink=None, topk_length=None):
     """A call of FlashMLA's sparse prefill on these tensors (``flashmla_sm90``, benchmarks/flashmla/build.py), looked
     up once, outside the timed call; it returns out."""
     from sparse_mla.bench.baselines import flash_mla_fwd
@@ -95,7 +95,7 @@ def flashmla_call(q, kv, idx, sm):
     if fm is None:
         raise RuntimeError("FlashMLA is not importable: build it (benchmarks/flashmla/build.py) and put it on PYTHONPATH")
     kv3, idx3 = kv[:, None, :], idx[:, None, :]
-    return lambda: fm(q, kv3, idx3, sm, d_v=D_V)[0]
+    return lambda: fm(q, kv3, idx3, sm, D_V, attn_sink, topk_length)[0]
 
 
 def write_json(path, rows):
@@ -112,34 +112,41 @@ def timed(fn):
     return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
-def per_token_rows(H, T, K, N, dev, names):
+def per_token_rows(H, T, K, N, dev, names, d_qk=D_QK, sink=False):
+    """Per-token rows at H heads; d_qk 576 or 512; sink: attn_sink [H] with topk_length [T] (all of topk) and
+    max_logits, the ``flash_mla_sparse_fwd`` form."""
     torch.manual_seed(0)
-    q = (torch.randn(T, H, D_QK, device=dev) * 0.5).to(torch.bfloat16)
-    kv = (torch.randn(N, D_QK, device=dev) * 0.5).to(torch.bfloat16)
+    q = (torch.randn(T, H, d_qk, device=dev) * 0.5).to(torch.bfloat16)
+    kv = (torch.randn(N, d_qk, device=dev) * 0.5).to(torch.bfloat16)
     idx = causal_uniform(T, K, N, N - T, dev)
-    sm = D_QK ** -0.5
-    flops = 2 * T * H * K * (D_QK + D_V)
+    sm = d_qk ** -0.5
+    flops = 2 * T * H * K * (d_qk + D_V)
     toks = torch.randperm(T, device=dev)[:32]
-    ref, _ = sparse_mla_ref(q[toks], kv, idx[toks], sm)
+    sink_t = torch.randn(H, device=dev) if sink else None
+    tl_t = torch.full((T,), K, device=dev, dtype=torch.int32) if sink else None
+    maxl = torch.empty(T, H, device=dev, dtype=torch.float32) if sink else None
+    ref, _ = sparse_mla_ref(q[toks], kv, idx[toks], sm, attn_sink=sink_t)
     out = torch.empty(T, H, D_V, device=dev, dtype=torch.bfloat16)
     lse = torch.empty(T, H, device=dev, dtype=torch.float32)
-    gather = T * K * D_QK * 2
+    gather = T * K * d_qk * 2
+    case = f"per_token H{H}" + ("" if d_qk == D_QK else f" d{d_qk}") + (" sink/len" if sink else "")
     rows = []
     for name in names:
         if name == "flashmla" and H not in FLASHMLA_HEADS:
             continue
         if name == "flashmla":
-            fn = flashmla_call(q, kv, idx, sm)
+            fn = flashmla_call(q, kv, idx, sm, sink_t, tl_t)
             err = row_err(fn()[toks], ref)
         else:
             use(name)
             out.fill_(float("nan"))
-            fn = lambda: backends.per_token(q, kv, idx, sm, None, out, lse)  # noqa: E731
+            fn = lambda: backends.per_token(q, kv, idx, sm, tl_t, out, lse, attn_sink=sink_t,  # noqa: E731
+                                            max_logits=maxl)
             fn()
             torch.cuda.synchronize()
             err = row_err(out[toks], ref)
         ms = timed(fn)
-        rows.append(dict(case=f"per_token H{H}", backend=name, ms=ms, tflops=flops / ms * 1e-9,
+        rows.append(dict(case=case, backend=name, ms=ms, tflops=flops / ms * 1e-9,
                          floor_ms=max(flops / PEAK_TFLOPS * 1e-9, gather / HBM_TBS * 1e-9), max_row_err=err))
         print(rows[-1], flush=True)
     return rows
@@ -201,6 +208,10 @@ def main():
     ap.add_argument("--trials", type=int, default=1, help="time every case this many times (backends interleaved)")
     ap.add_argument("--ablate", default="", help="comma-separated ABLATE masks of the split schedule to time at "
                     "64 heads per token (timing only: results are wrong by design)")
+    ap.add_argument("--forms", default="plain", help="comma-separated per-token forms: plain, d512 (D_qk 512), sink "
+                    "(attn_sink + topk_length + max_logits), d512sink")
+    ap.add_argument("--heads", default="", help="comma-separated per-token head counts (default: 128,64 with "
+                    "--quick, else 128,64,32,16); grouped rows only without it")
     a = ap.parse_args()
     dev = torch.device("cuda")
     names = a.backends.split(",")
@@ -217,9 +228,15 @@ def main():
                 rows.append(r)
         finally:
             gluon_sm90.config.ABLATE = 0
-    for H in (() if a.ablate else (128, 64) if a.quick else (128, 64, 32, 16)):
-        rows += per_token_rows(H, 8192, 2048, 32768, dev, names)
-    for H in (() if a.ablate else (16, ) if a.quick else (16, 32, 8)):
+    heads = [int(h) for h in a.heads.split(",") if h] or ((128, 64) if a.quick else (128, 64, 32, 16))
+    forms = {"plain": (D_QK, False), "d512": (512, False), "sink": (D_QK, True), "d512sink": (512, True)}
+    for form in a.forms.split(","):
+        if form not in forms:
+            raise SystemExit(f"--forms takes {', '.join(forms)}, got {form!r}")
+    for H in (() if a.ablate else heads):
+        for form in a.forms.split(","):
+            rows += per_token_rows(H, 8192, 2048, 32768, dev, names, *forms[form])
+    for H in (() if a.ablate or a.heads else (16, ) if a.quick else (16, 32, 8)):
         rows += grouped_rows(H, 16384, 8192, 2048, dev, names)
     write_json(a.json, rows)
     print(f"\n{'case':<34} {'backend':<17} {'ms':>8} {'TFLOP/s':>8} {'floor ms':>8} {'row err':>8}")

@@ -95,13 +95,20 @@ def build_group_union(
         plan_groups(T, group_size, None, gs, gl, ws.route[:T])
         union_backends.build_union(indices, topk_length, N, group_size, gs, gl, ws.route[:T], ws, rows, bits, ul,
                                    complete=True)
-    # The kernel's union is unsorted; this inspection API returns it sorted, -1 / 0 after the end.
-    # Stable sort: the union occupies the first union_len slots, so a real row 2**31 - 1 sorts
-    # before the empty slots that carry the same key.
-    in_union = torch.arange(rows.shape[1], device=rows.device)[None, :] < ul[:, None].long()
-    keys, order = torch.where(in_union, rows, torch.iinfo(torch.int32).max).sort(dim=1, stable=True)
-    member = torch.where(in_union, bits, 0).gather(1, order)
-    rows = torch.where(in_union, keys, -1)
+    # The kernel's union is unsorted, in the first union_len slots of each row; this inspection API returns it
+    # sorted, -1 / 0 after the end. Only the first P columns are sorted (P: the longest union rounded up to a
+    # power of two, read back with one sync), in place in the workspace's rows, which are returned.
+    if n_groups > 0:
+        longest = int(ul.max())
+        P = min(rows.shape[1], 1 << max(longest - 1, 0).bit_length())
+        in_union = torch.arange(P, device=rows.device)[None, :] < ul[:, None].long()
+        # stable: a real row 2**31 - 1 sorts before the empty slots that carry the same key
+        keys, order = torch.where(in_union, rows[:, :P], torch.iinfo(torch.int32).max).sort(dim=1, stable=True)
+        bits[:, :P] = torch.where(in_union, bits[:, :P].gather(1, order), 0)
+        rows[:, :P] = torch.where(in_union, keys, -1)
+        rows[:, P:].fill_(-1)
+        bits[:, P:].fill_(0)
+    member = bits
     return GroupUnion(rows, member, ul, group_size)
 
 
