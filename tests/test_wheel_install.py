@@ -6,9 +6,11 @@ data) and that ``sparse-mla bench`` runs from the install (a Triton-interpreter 
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,6 +37,16 @@ print("cost model ok:", note)
 BENCH = ["bench", "--dims", "16,512,32,64,32", "--tokens", "12", "--topk", "16", "--trials", "1"]
 
 
+def _offline_backend() -> bool:
+    """Whether this environment has pyproject.toml's build backend with its wheel builder: setuptools >= 70.1 has
+    bdist_wheel, an older one needs the wheel package. Then the build needs no index; else pip's isolated build
+    fetches the backend (CI has an index)."""
+    if importlib.util.find_spec("setuptools") is None:
+        return False
+    version = tuple(int(p) for p in re.findall(r"\d+", importlib.metadata.version("setuptools"))[:2])
+    return version >= (70, 1) or importlib.util.find_spec("wheel") is not None
+
+
 def _run(cmd: list[str], cwd: Path, env: dict, timeout: int = 120) -> subprocess.CompletedProcess:
     res = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, f"{cmd}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
@@ -52,15 +64,15 @@ def installed(tmp_path_factory) -> tuple[Path, dict]:
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
-    # The build backend of pyproject.toml from this environment where it has one (no index needed); else pip's
-    # isolated build fetches it.
-    isolation = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []
+    isolation = ["--no-build-isolation"] if _offline_backend() else []
     _run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", *isolation, "-w", str(root / "dist"), str(src)],
          root, env, timeout=300)
     (wheel,) = (root / "dist").glob("sparse_mla-*.whl")
-    venv.EnvBuilder(system_site_packages=True, with_pip=True).create(root / "venv")
+    # No pip of its own (a Python without ensurepip can still make it): this environment's pip installs into it.
+    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(root / "venv")
     bin_dir = root / "venv" / ("Scripts" if os.name == "nt" else "bin")
-    _run([str(bin_dir / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], root, env)
+    _run([sys.executable, "-m", "pip", "--python", str(bin_dir / "python"), "install", "-q", "--no-deps", "--no-index",
+          str(wheel)], root, env)
     env["TRITON_INTERPRET"] = "1"  # the CPU run (the bench turns it on without a GPU too)
     return bin_dir, env
 
