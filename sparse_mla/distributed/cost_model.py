@@ -329,7 +329,7 @@ def validate(doc: dict, link: Link, rows_filter=None) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 # Single-GPU TP inputs available in the committed results (results/bench.json: one H200, rev
-# 52e9d42, 16 heads per rank): glm-5 at W = 4, deepseek-v3.2 at W = 8.
+# 0a5b4ae, 16 heads per rank; the projection of docs/shardq.md used rev 52e9d42): glm-5 at W = 4, deepseek-v3.2 at W = 8.
 PROJECTION_POINTS = (("glm-5", 4), ("deepseek-v3.2", 8))
 # The TP baseline's paths: the absorbed (MQA) kernels, as in the 2-GPU run's tp/per_token and tp/grouped
 # variants (ShardQ runs those kernels too; the layer's dense / masked MHA paths are left out on both sides).
