@@ -73,7 +73,8 @@ def installed(tmp_path_factory) -> tuple[Path, dict]:
     bin_dir = root / "venv" / ("Scripts" if os.name == "nt" else "bin")
     _run([sys.executable, "-m", "pip", "--python", str(bin_dir / "python"), "install", "-q", "--no-deps", "--no-index",
           str(wheel)], root, env)
-    env["TRITON_INTERPRET"] = "1"  # the CPU run (the bench turns it on without a GPU too)
+    # the CPU run, on a GPU machine too: no device visible, the kernels through Triton's interpreter
+    env.update(CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
     return bin_dir, env
 
 
