@@ -8,7 +8,7 @@ unless ``check=True`` (docs/DESIGN.md "Host path"). Only the tensors' addresses 
 such key runs the full path (validation, selection, planning) under a recorder, and later calls replay what it
 recorded: the allocations of its outputs, then each launch with its pointer arguments rebased onto this call's
 tensors. A warm call then costs its key, an overlap check of the written tensors against the others, and the
-launches (docs/notes/default-call.md, results/host-profile-*.json).
+launches (docs/notes/default-call.md, results/host-profile.json).
 
 What a recording holds is checked when it is made; a call that cannot be replayed exactly is never replayed:
 

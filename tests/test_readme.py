@@ -51,24 +51,6 @@ def test_readme_is_short():
     assert len(README.read_text().splitlines()) <= 250
 
 
-def test_docs_cite_committed_result_files():
-    """Every results/ path the README, docs/ and the results / benchmarks READMEs cite exists (a glob must match a
-    file); ``results/X@commit`` names a file as committed in that commit (git history), ``git show
-    commit:results/X`` an older file: not checked."""
-    root = README.parent
-    docs = [README, root / "results" / "README.md", root / "benchmarks" / "README.md",
-            *sorted((root / "docs").rglob("*.md")), *sorted((root / "results").glob("*/README.md"))]
-    missing = []
-    for doc in docs:
-        for m in re.finditer(r"(?<![:\w/])results/[\w.*{},/-]*\w", doc.read_text()):
-            path = m.group(0)
-            if "{" in path or path.endswith("/README"):
-                continue
-            if not list(root.glob(path)) and not (root / path).is_dir():
-                missing.append(f"{doc.relative_to(root)}: {path}")
-    assert not missing, missing
-
-
 def test_results_table_is_the_report_of_the_committed_json(monkeypatch):
     """The README's results table is ``sparse-mla report --markdown results/bench.json`` verbatim, its comment
     line included (regenerate it with that command after a new run)."""

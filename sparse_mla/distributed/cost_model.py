@@ -33,7 +33,8 @@ Step time, one layer (``shardq_step_ms``):
 The TP step is ``max_r`` of the TP per-rank attention times (no communication in this layer).
 
 Validation and projection (``validate`` / ``projection_table``) read the committed measurements
-(results/bench_shardq.json: 2 H200s; results/bench.json: one H200, 16 heads per rank);
+(results/bench_shardq.json: 2 H200s; results/bench.json: one H200, 16 heads per rank), shipped with the
+package as the rows the model reads (``data/``: ``calibration_docs``, loaded by ``default_docs``);
 ``python -m sparse_mla.distributed.cost_model`` prints both tables. Nothing in this module was
 measured: the W = 4 / 8 rows are projections.
 """
@@ -42,10 +43,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from importlib import resources
 
 from ..workloads.models import MLAConfig, get_model
 from .zigzag import zigzag_chunks
@@ -251,15 +252,6 @@ def extra_weight_bytes(cfg: MLAConfig, world_size: int, elem_bytes: int = 2) -> 
 # ---------------------------------------------------------------------------------------------
 
 
-def _repo_path(rel: str) -> str:
-    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", rel)
-
-
-def load_results(path: str) -> dict:
-    with open(path) as f:
-        return json.load(f)
-
-
 def _row_exchanges(row: dict) -> list[tuple[ExchangeBytes, float]]:
     """(bytes, measured ms) of a ShardQ row's two exchanges (absorbed form: what it measured)."""
     cfg = get_model(row["model"])
@@ -337,7 +329,7 @@ def validate(doc: dict, link: Link, rows_filter=None) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 # Single-GPU TP inputs available in the committed results (results/bench.json: one H200, rev
-# 52e9d42, 16 heads per rank): glm-5 at W = 4, deepseek-v3.2 at W = 8.
+# 0a5b4ae, 16 heads per rank; the projection of docs/shardq.md used rev 52e9d42): glm-5 at W = 4, deepseek-v3.2 at W = 8.
 PROJECTION_POINTS = (("glm-5", 4), ("deepseek-v3.2", 8))
 # The TP baseline's paths: the absorbed (MQA) kernels, as in the 2-GPU run's tp/per_token and tp/grouped
 # variants (ShardQ runs those kernels too; the layer's dense / masked MHA paths are left out on both sides).
@@ -403,9 +395,38 @@ def projection_table(shardq_doc: dict, bench_doc: dict, links: Sequence[Link], *
     return rows
 
 
+# The calibration the package ships (sparse_mla/distributed/data/, package data): ``calibration_docs`` of the
+# committed results/bench_shardq.json and results/bench.json. tests/distributed/test_cost_model.py checks that they
+# are equal; after a new run, write them again with ``python -m sparse_mla.distributed.cost_model --write-data``.
+DATA_FILES = ("shardq_2xh200.json", "tp_1xh200.json")
+# What the model reads of each file: the meta keys its source strings name, the ShardQ rows' fields (``validate``,
+# ``fit_link``, ``shardq_attn_rate``), the one-GPU rows' fields and path timings (``tp_attn_single_gpu``).
+META_KEYS = ("command", "git_revision", "gpu", "date")
+SHARDQ_ROW_KEYS = ("model", "tp", "heads", "d_qk", "d_v", "tokens", "variant", "path", "interpreted", "total_ms",
+                   "attn_ms", "xchg_q_ms", "xchg_out_ms", "per_rank_attn_ms")
+TP_ROW_KEYS = ("scenario", "model", "tp", "cached", "new")
+TP_PATH_KEYS = ("supported", "check_ok", "ms")
+
+
+def calibration_docs(shardq_doc: dict, bench_doc: dict) -> tuple[dict, dict]:
+    """The parts of a 2-GPU ``sparse-mla bench --tp 2`` JSON and a one-GPU ``sparse-mla bench`` JSON the model
+    reads: every ShardQ-run row, and the one-GPU rows of ``PROJECTION_POINTS`` without a cached prefix (paths
+    ``TP_PATHS`` only), each doc with its ``meta`` provenance (``META_KEYS``)."""
+    def meta(doc):
+        return {k: doc["meta"][k] for k in META_KEYS if k in doc["meta"]}
+
+    sq_rows = [{k: r[k] for k in SHARDQ_ROW_KEYS if k in r} for r in shardq_doc["results"]]
+    tp_rows = [dict({k: r[k] for k in TP_ROW_KEYS},
+                    paths={n: {k: p[k] for k in TP_PATH_KEYS if k in p} for n, p in r["paths"].items() if n in TP_PATHS})
+               for r in bench_doc["results"] if (r["model"], r["tp"]) in PROJECTION_POINTS and r["cached"] == 0]
+    return {"meta": meta(shardq_doc), "results": sq_rows}, {"meta": meta(bench_doc), "results": tp_rows}
+
+
 def default_docs() -> tuple[dict, dict]:
-    """The committed results/bench_shardq.json and results/bench.json of a source checkout."""
-    return load_results(_repo_path("results/bench_shardq.json")), load_results(_repo_path("results/bench.json"))
+    """The shipped calibration (``DATA_FILES``: ``calibration_docs`` of the committed results/bench_shardq.json and
+    results/bench.json), read as package data: the same from a source checkout and from an installed wheel."""
+    data = resources.files(__package__).joinpath("data")
+    return tuple(json.loads(data.joinpath(name).read_text()) for name in DATA_FILES)
 
 
 def calibrated_links(shardq_doc: dict) -> tuple[Link, Link]:
@@ -420,17 +441,14 @@ def model_vs_measured(results: list[dict], link: Link | None = None) -> tuple[li
     """Modelled figures beside the measured ones for the ShardQ rows of a ``run_shardq_bench`` run
     (``validate`` on its rows): the exchange modelled with ``link``, by default the link fitted on
     the committed results/bench_shardq.json (all rows), so that a new run tests the model rather
-    than refitting it. Returns (rows, a line naming the link); no rows for an interpreter run, a
-    model of unknown layout, or when the committed file is not there (an installed package).
+    than refitting it (the package's copy of it, ``default_docs``). Returns (rows, a line naming the link); no rows
+    for an interpreter run or a model of unknown layout.
     """
     rows = [r for r in results if not r.get("interpreted")]
     if not rows:
         return [], "interpreter run: no modelled figures"
     if link is None:
-        try:
-            link = calibrated_links(default_docs()[0])[1]
-        except OSError as e:
-            return [], f"no committed results/bench_shardq.json to calibrate the link ({e.__class__.__name__})"
+        link = calibrated_links(default_docs()[0])[1]
     try:
         out = validate({"results": rows}, link)
     except (KeyError, ValueError) as e:
@@ -461,7 +479,24 @@ def format_projection(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def write_data(results_dir: str = "results") -> None:
+    """Write the package's calibration (``DATA_FILES``) from the committed runs under ``results_dir`` (a source
+    checkout)."""
+    with open(f"{results_dir}/bench_shardq.json") as f, open(f"{results_dir}/bench.json") as g:
+        docs = calibration_docs(json.load(f), json.load(g))
+    here = resources.files(__package__).joinpath("data")
+    for name, doc in zip(DATA_FILES, docs):
+        with open(str(here.joinpath(name)), "w") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+
+
 def main() -> None:  # pragma: no cover - printing only
+    import sys
+
+    if sys.argv[1:] == ["--write-data"]:
+        write_data()
+        return
     sq, bench = default_docs()
     fit_glm, fit_all = calibrated_links(sq)
     for link, note in ((fit_glm, "deepseek-v3.2 rows held out"), (fit_all, "all rows")):
@@ -486,4 +521,4 @@ if __name__ == "__main__":  # pragma: no cover
 
 __all__ = ["Link", "ExchangeBytes", "Prediction", "FORMS", "NVLINK_H200_PEAK", "exchange_widths", "exchange_bytes",
            "exchange_ms", "pipelined_ms", "shardq_step_ms", "extra_weight_bytes", "fit_link", "validate",
-           "projection_table", "calibrated_links", "default_docs", "model_vs_measured"]
+           "projection_table", "calibrated_links", "calibration_docs", "default_docs", "model_vs_measured"]

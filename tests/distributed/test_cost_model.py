@@ -3,9 +3,11 @@ against the committed 2-GPU measurement (results/bench_shardq.json)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
+from testlib.paths import RESULTS
 
 from sparse_mla.distributed import cost_model as cm
 from sparse_mla.workloads.models import get_model
@@ -113,6 +115,14 @@ def test_fit_link_recovers_synthetic_parameters():
     fit = cm.fit_link(rows)
     assert fit.bandwidth_gbs == pytest.approx(300.0, rel=1e-9)
     assert fit.latency_ms == pytest.approx(0.2, rel=1e-9)
+
+
+def test_shipped_calibration_is_the_committed_runs():
+    """The package data default_docs reads (sparse_mla/distributed/data/) is calibration_docs of the committed
+    results/bench_shardq.json and results/bench.json: a new committed run needs
+    ``python -m sparse_mla.distributed.cost_model --write-data``."""
+    sq, bench = (json.loads((RESULTS / name).read_text()) for name in ("bench_shardq.json", "bench.json"))
+    assert cm.default_docs() == cm.calibration_docs(sq, bench)
 
 
 def test_model_against_committed_two_gpu_measurement(capsys):
