@@ -5,8 +5,9 @@ Protocol (docs/notes/attention-gluon.md, FlashMLA figures): T 8192, topk 2048, 3
 (and 32 / 16 for reference); grouped attention alone (union given, built once by the Triton builder) on the
 "mid" synthetic top-k of 16K cached + 8K new tokens at 16 heads (G = 8), 32 heads (G = 4), 8 heads (G = 16).
 Every row: time, TFLOP/s (per-token: useful FLOPs 2 * H * valid * 1088; grouped: computed tile FLOPs
-2 * 128 * union rows * 1088 per group, and useful), the roofline floor (compute at 790 TFLOP/s; gather at
-4.3 TB/s), and the max relative error per (token, head) row against the fp32 reference on sampled tokens.
+2 * 128 * union rows * 1088 per group, and useful), the roofline floor (``sparse_mla.bench.common.floor_ms``: compute
+and gather at the H200's peaks), and the max per-(token, head) row error (``common.max_row_err``) against the fp32
+reference on sampled tokens.
 
     python benchmarks/bench_gluon.py --json out/gluon.json [--quick] [--backends gluon_sm90:pair,triton] [--ablate 2,8]
     git show REV:sparse_mla/mqa/gluon_sm90/pair.py > /tmp/base.py
@@ -17,23 +18,22 @@ Every row: time, TFLOP/s (per-token: useful FLOPs 2 * H * valid * 1088; grouped:
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import sys
 
 import torch
-import triton
 
 from sparse_mla import SparseMLAWorkspace, sparse_mla_ref
-from sparse_mla.bench.report import git_revision
+from sparse_mla.bench.common import floor_ms, fmt, max_row_err, print_rows, run_meta, tflops, timing_note, write_json
+from sparse_mla.bench.timing import median_ms
 from sparse_mla.mqa import backends, gluon_sm90
 from sparse_mla.union.planning import plan_groups
 from sparse_mla.union.triton_tl import build_union
 from sparse_mla.workloads import synthetic_batch
 
-PEAK_TFLOPS, HBM_TBS = 790.0, 4.3
 D_QK, D_V = 576, 512
+# do_bench budget of this script: longer than common's default so that the kernel figures compared across revisions
+# (docs/notes/attention-gluon.md, results/gluon-*.json) keep the protocol they were measured with.
+WARMUP_MS, REP_MS = 50, 300
 
 
 def causal_uniform(T, K, N, P0, dev):
@@ -46,12 +46,6 @@ def causal_uniform(T, K, N, P0, dev):
         r[ar[None, :] > lim[:, None]] = -1.0
         idx[i0:i0 + n] = r.topk(K, dim=1).indices.to(torch.int32)
     return idx
-
-
-def row_err(out, ref):
-    o, r = out.float().flatten(0, -2), ref.float().flatten(0, -2)
-    den = r.norm(dim=-1).clamp(min=1e-30)
-    return ((o - r).norm(dim=-1) / den).max().item()
 
 
 def use(name):
@@ -98,18 +92,25 @@ def flashmla_call(q, kv, idx, sm, attn_sink=None, topk_length=None):
     return lambda: fm(q, kv3, idx3, sm, D_V, attn_sink, topk_length)[0]
 
 
-def write_json(path, rows):
-    """The rows with the run's meta (command, git revision, GPU, date, versions, timing) as JSON."""
-    meta = dict(command=" ".join([os.path.basename(sys.executable)] + sys.argv), git_revision=git_revision(),
-                gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                torch=torch.__version__, triton=triton.__version__,
-                timing="triton.testing.do_bench median (warmup 50 ms, rep 300 ms), L2 flushed")
-    with open(path, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+def write_rows(path, rows, **meta):
+    """The rows with the run's meta (``common.run_meta``: command, git revision, GPU, date, versions, timing; then
+    ``meta``) as JSON (``common.write_json``)."""
+    write_json(path, run_meta(timing=timing_note(warmup_ms=WARMUP_MS, rep_ms=REP_MS), **meta), rows)
 
 
 def timed(fn):
-    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+    """Median ms of ``fn`` (``timing.median_ms`` at this script's budget)."""
+    return median_ms(fn, warmup_ms=WARMUP_MS, rep_ms=REP_MS)
+
+
+def print_table(rows, extra=()):
+    """The end-of-run table of the rows (``common.print_rows``): case, backend, ms, TFLOP/s, floor, row error; then
+    the ``extra`` row keys."""
+    cols = {"case": lambda r: r["case"], "backend": lambda r: r["backend"], "ms": lambda r: fmt(r.get("ms"), ".3f"),
+            "TFLOP/s": lambda r: fmt(r.get("tflops"), ".1f"), "floor ms": lambda r: fmt(r.get("floor_ms"), ".3f"),
+            "row err": lambda r: fmt(r.get("max_row_err"), ".1e")}
+    cols.update({k: (lambda r, k=k: str(r.get(k, "-"))) for k in extra})
+    print_rows("attention kernels: ms per call", rows, cols, left=(0, 1))
 
 
 def per_token_rows(H, T, K, N, dev, names, d_qk=D_QK, sink=False):
@@ -136,7 +137,7 @@ def per_token_rows(H, T, K, N, dev, names, d_qk=D_QK, sink=False):
             continue
         if name == "flashmla":
             fn = flashmla_call(q, kv, idx, sm, sink_t, tl_t)
-            err = row_err(fn()[toks], ref)
+            err = max_row_err(fn()[toks], ref)
         else:
             use(name)
             out.fill_(float("nan"))
@@ -144,10 +145,10 @@ def per_token_rows(H, T, K, N, dev, names, d_qk=D_QK, sink=False):
                                             max_logits=maxl)
             fn()
             torch.cuda.synchronize()
-            err = row_err(out[toks], ref)
+            err = max_row_err(out[toks], ref)
         ms = timed(fn)
-        rows.append(dict(case=case, backend=name, ms=ms, tflops=flops / ms * 1e-9,
-                         floor_ms=max(flops / PEAK_TFLOPS * 1e-9, gather / HBM_TBS * 1e-9), max_row_err=err))
+        rows.append(dict(case=case, backend=name, ms=ms, tflops=tflops(flops, ms), floor_ms=floor_ms(flops, gather),
+                         max_row_err=err))
         print(rows[-1], flush=True)
     return rows
 
@@ -183,12 +184,11 @@ def grouped_rows(H, cached, new, K, dev, names):
         fn = lambda: backends.grouped(q, kv, sm, G, ws.union_rows, ws.union_bits, ul, gs, gl_, out, lse)  # noqa: E731
         fn()
         torch.cuda.synchronize()
-        err = row_err(out[toks], ref)
+        err = max_row_err(out[toks], ref)
         ms = timed(fn)
         rows.append(dict(case=f"grouped H{H} G{G} {cached}+{new} mid", backend=name, ms=ms,
-                         tflops=computed / ms * 1e-9, useful_tflops=useful / ms * 1e-9,
-                         union_ratio=urows / (valid / G), floor_ms=max(computed / PEAK_TFLOPS * 1e-9,
-                                                                      urows * D_QK * 2 / HBM_TBS * 1e-9),
+                         tflops=tflops(computed, ms), useful_tflops=tflops(useful, ms),
+                         union_ratio=urows / (valid / G), floor_ms=floor_ms(computed, urows * D_QK * 2),
                          max_row_err=err))
         print(rows[-1], flush=True)
     return rows
@@ -238,11 +238,8 @@ def main():
             rows += per_token_rows(H, 8192, 2048, 32768, dev, names, *forms[form])
     for H in (() if a.ablate or a.heads else (16, ) if a.quick else (16, 32, 8)):
         rows += grouped_rows(H, 16384, 8192, 2048, dev, names)
-    write_json(a.json, rows)
-    print(f"\n{'case':<34} {'backend':<17} {'ms':>8} {'TFLOP/s':>8} {'floor ms':>8} {'row err':>8}")
-    for r in rows:
-        print(f"{r['case']:<34} {r['backend']:<17} {r['ms']:8.3f} {r['tflops']:8.1f} {r['floor_ms']:8.3f} "
-              f"{r['max_row_err']:8.1e}")
+    write_rows(a.json, rows)
+    print_table(rows)
 
 
 if __name__ == "__main__":

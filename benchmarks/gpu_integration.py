@@ -13,17 +13,16 @@ Run from the repository root on the GPU machine (writes JSON to $OUT, default ./
    tail. ``warmup`` (seconds, variants compiled), then the step (converter + grouped
    ``sparse_mla_fwd`` with a workspace and preallocated outputs): new variants compiled (must be 0),
    allocator calls (must be 0), CUDA-graph replay vs eager (must be equal), the reference on the
-   first ``--ref-tokens`` rows, and step times (eager vs graph replay, CUDA events, median of 20).
+   first ``--ref-tokens`` rows, and step times (eager vs graph replay: ``sparse_mla.bench.timing.median_ms``).
 
-Prints a short table; writes ``$OUT/gpu_integration.json`` (and the pytest junit XML). Exit code 1
+Prints a short table; writes ``$OUT/gpu_integration.json`` (``meta``: ``sparse_mla.bench.common.run_meta`` with the
+arguments; ``rows``: the realistic step; ``pytest``) and the pytest junit XML. Exit code 1
 when any check fails.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import subprocess
 import sys
@@ -105,6 +104,8 @@ def build_step(args, dev):
 
 def realistic(args, dev) -> dict:
     from sparse_mla import SparseMLAWorkspace, sparse_mla_fwd, sparse_mla_ref
+    from sparse_mla.bench.common import rel_err
+    from sparse_mla.bench.timing import capture_graph, median_ms
     from sparse_mla.integration.block_table import convert_req_index_to_global
     from sparse_mla.integration.warmup import compiled_variant_counts, warmup
 
@@ -136,14 +137,7 @@ def realistic(args, dev) -> dict:
     mean_valid = max(1.0, float((idx >= 0).sum(1).float().mean()))
     union_ratio = float(ws.union_len[grouped].float().mean()) / mean_valid if bool(grouped.any()) else 0.0
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph, _ = capture_graph(step)
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
@@ -153,21 +147,10 @@ def realistic(args, dev) -> dict:
                        and (out.float() - eager_out.float()).norm() <= 5e-3 * eager_out.float().norm()
                        and (lse[fin] - eager_lse[fin]).abs().max() <= 1e-2)
 
-    def timed(fn, reps=20):
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        return sorted(times)[len(times) // 2]
-
-    eager_ms, graph_ms = timed(step), timed(graph.replay)
+    eager_ms, graph_ms = median_ms(step), median_ms(graph.replay)
     n_ref = min(args.ref_tokens, T)
     ref_out, ref_lse = sparse_mla_ref(s["q"][:n_ref], s["rows"], idx[:n_ref], args.d_qk**-0.5)
-    err = float((eager_out[:n_ref].float() - ref_out).norm() / ref_out.norm().clamp_min(1e-30))
+    err = rel_err(eager_out[:n_ref], ref_out)
     pad_ok = bool(torch.all(eager_out[T - args.pad:] == 0) and torch.all(eager_lse[T - args.pad:] == float("-inf")))
     return {
         "warmup_seconds": rep.seconds, "warmup_calls": rep.calls, "warmup_new_variants": rep.new_variants,
@@ -201,22 +184,19 @@ def main() -> int:
         return 2
     out_dir = Path(os.environ.get("OUT", "./out"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    import triton
+    from sparse_mla.bench.common import fmt, print_rows, run_meta, timing_note, write_json
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(), "args": vars(args)}
-    ok = True
+    meta = run_meta(timing="step times: " + timing_note(), args=vars(args))
+    extra, ok = {}, True
     if not args.skip_pytest:
-        result["pytest"] = run_pytest(out_dir)
-        ok &= result["pytest"]["returncode"] == 0
-        print(f"{'test':<70} {'outcome':<8} {'s':>7}")
-        for t in result["pytest"]["tests"]:
-            print(f"{t['name']:<70} {t['outcome']:<8} {t['seconds']:7.1f}  {t['detail'][:120]}")
-        if result["pytest"]["returncode"] != 0:
-            print(result["pytest"]["output_tail"])
+        extra["pytest"] = run_pytest(out_dir)
+        ok &= extra["pytest"]["returncode"] == 0
+        print_rows("tests/integration/test_gpu_integration.py", extra["pytest"]["tests"], {
+            "test": lambda t: t["name"], "outcome": lambda t: t["outcome"], "s": lambda t: fmt(t["seconds"], ".1f"),
+            "detail": lambda t: t["detail"][:120]}, left=(0, 1, 3))
+        if extra["pytest"]["returncode"] != 0:
+            print(extra["pytest"]["output_tail"])
     r = realistic(args, torch.device("cuda"))
-    result["realistic"] = r
     ok &= r["ok"]
     print(f"\nrealistic step: T {args.tokens}, H {args.heads}, topk {args.topk}, "
           f"{args.requests} prefill + {args.decodes} decode requests, {args.pad} padded rows")
@@ -225,7 +205,7 @@ def main() -> int:
               "grouped_token_fraction", "union_ratio", "ok"):
         v = r[k]
         print(f"  {k:<28} {v:.4g}" if isinstance(v, float) else f"  {k:<28} {v}")
-    (out_dir / "gpu_integration.json").write_text(json.dumps(result, indent=2))
+    write_json(out_dir / "gpu_integration.json", meta, [r], **extra)
     print(f"\n{'PASS' if ok else 'FAIL'}; JSON: {out_dir / 'gpu_integration.json'}")
     return 0 if ok else 1
 

@@ -12,14 +12,15 @@ import cProfile
 import io
 import json
 import pstats
-import time
 
 import torch
 
 import sparse_mla
 from sparse_mla import launch_cache
 from sparse_mla.bench.baselines import flash_mla_fwd
-from sparse_mla.bench.op import OpCase, case_inputs, host_time_us, provenance, replay_status
+from sparse_mla.bench.common import run_meta, write_json
+from sparse_mla.bench.op import OpCase, case_inputs, replay_status
+from sparse_mla.bench.timing import host_time_us
 
 
 def calls_for(T: int, H: int) -> dict:
@@ -137,9 +138,8 @@ def main() -> int:
             print(f"T {T:5d} H {H:3d} {name:28s} host {row['host_us']:7.1f} us (no replay, JIT launches {row['host_us_jit']:7.1f})",
                   flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": {**provenance(), "kind": "host_profile", "date_s": time.time(), "replay": replay_status()},
-                       "rows": rows}, f, indent=1)
+        timing = "host_time_us: CPU time per call of 40 back-to-back warm calls, the GPU kept busy by a sleep kernel"
+        write_json(args.json, run_meta("host_profile", timing=timing, replay=replay_status()), rows)
     print("replay:", json.dumps(replay_status()))
     return 0
 

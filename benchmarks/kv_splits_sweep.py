@@ -3,15 +3,14 @@
     python benchmarks/kv_splits_sweep.py --json results/kv-splits-sweep.json
 
 Per (H, T): T new tokens over ``--cached`` rows, each query's top-k ``--topk`` distinct uniform rows; every call is
-checked against the fp32 reference per (token, head) row on up to 8 tokens, then timed (triton.testing.do_bench
-median, ms). S = 1 is the unsplit kernel (the default before split-KV); "auto" is ``kv_splits=None`` with the S it
+checked against the fp32 reference per (token, head) row on up to 8 tokens (``sparse_mla.bench.common.max_row_err``),
+then timed (``sparse_mla.bench.timing.median_ms``: do_bench median, ms). S = 1 is the unsplit kernel (the default before split-KV); "auto" is ``kv_splits=None`` with the S it
 chose (``explain_fwd``). Rows feed ``sparse_mla.mqa.kv_splits.fit_kv_split_model`` (``--fit``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
@@ -27,9 +26,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--fit", action="store_true", help="fit KV_SPLIT_MODEL on the forced-S times and print it")
     args = ap.parse_args(argv)
-    import triton.testing
-
     from sparse_mla import sparse_mla_fwd, sparse_mla_ref
+    from sparse_mla.bench.common import max_row_err, run_meta, write_json
+    from sparse_mla.bench.timing import median_ms
     from sparse_mla.mqa.interface import explain_fwd
     from sparse_mla.mqa.kv_splits import fit_kv_split_model, num_sms, work_items
 
@@ -50,11 +49,9 @@ def main(argv=None) -> int:
                 out = torch.full((T, H, 512), float("nan"), dtype=torch.bfloat16, device=dev)
                 fn = lambda s=s, out=out: sparse_mla_fwd(q, kv, idx, scale, out=out, kv_splits=s)  # noqa: E731
                 fn()
-                o = out[sample].float()
-                err = float(((o - ref).norm(dim=-1) / ref.norm(dim=-1)).max()) if torch.isfinite(o).all() else float("inf")
                 key = "auto" if s is None else str(s)
-                row["ms"][key] = triton.testing.do_bench(fn, warmup=25, rep=100)
-                row["err"][key] = err
+                row["ms"][key] = median_ms(fn)
+                row["err"][key] = max_row_err(out[sample], ref)
             row["auto_explain"] = explain_fwd(q, kv, idx, scale)
             rows.append(row)
             times = {int(k): v for k, v in row["ms"].items() if k != "auto"}
@@ -63,15 +60,13 @@ def main(argv=None) -> int:
             print(f"H{H:<4d} T{T:<5d} " + "  ".join(f"S{k} {v:.4f}" for k, v in row["ms"].items())
                   + f"  best S{best} {times[1] / times[best]:.2f}x over S1  auto/S1 {times[1] / row['ms']['auto']:.2f}x"
                   + f"  max err {max(row['err'].values()):.1e}", flush=True)
-    out = {"meta": {"device": torch.cuda.get_device_name(), "sms": num_sms(dev), "torch": torch.__version__},
-           "rows": rows}
+    extra = {}
     if args.fit:
         model, slowdown = fit_kv_split_model(points, num_sms(dev))
-        out["fit"] = {"model": model.__dict__, "mean_slowdown": slowdown}
+        extra["fit"] = {"model": model.__dict__, "mean_slowdown": slowdown}
         print(f"fit: {model} mean slowdown {slowdown:.3f} (work items e.g. {work_items(1, 16)} at T 1, H 16)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(args.json, run_meta(sms=num_sms(dev)), rows, **extra)
     return 0
 
 

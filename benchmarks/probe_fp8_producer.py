@@ -8,12 +8,11 @@ pace shows. Timing-only (the ablated results are wrong by design).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
 
 import torch
 
+from sparse_mla.bench.common import fmt, print_rows, run_meta, timing_note, write_json
 from sparse_mla.bench.kv_fp8 import run_case
 from sparse_mla.mqa import gluon_sm90
 
@@ -35,16 +34,12 @@ def main() -> None:
                     r["ablate"] = mask
                     rows.append(r)
     gluon_sm90.config.ABLATE = 0
-    from sparse_mla.bench.report import git_revision
-
-    meta = dict(command="python benchmarks/probe_fp8_producer.py " + " ".join(sys.argv[1:]), git_revision=git_revision(),
-                gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                fp8_producer_regs=gluon_sm90.config.FP8_PRODUCER_REGS)
-    with open(a.json, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print(f"{'ablate':>6} {'case':<16} {'variant':<6} {'ms':>8}")
-    for r in rows:
-        print(f"{r['ablate']:>6} {r['case']:<16} {r['variant']:<6} {r.get('ms', float('nan')):8.3f}")
+    meta = run_meta(command="python benchmarks/probe_fp8_producer.py " + " ".join(sys.argv[1:]),
+                    timing=timing_note(trials=2), fp8_producer_regs=gluon_sm90.config.FP8_PRODUCER_REGS)
+    write_json(a.json, meta, rows)
+    print_rows("FP8 producer probe: ms per call", rows, {
+        "ablate": lambda r: str(r["ablate"]), "case": lambda r: r["case"], "variant": lambda r: r["variant"],
+        "ms": lambda r: fmt(r.get("ms"), ".3f")}, left=(1, 2))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_gluon import grouped_rows, per_token_rows, write_json  # noqa: E402
+from bench_gluon import grouped_rows, per_token_rows, print_table, write_rows  # noqa: E402
 
 from sparse_mla.mqa import gluon_sm90  # noqa: E402
 
@@ -44,10 +44,8 @@ def main():
                     rows.append(r)
         finally:
             gluon_sm90.config.variant_constexprs = plain
-    write_json(a.json, rows)
-    print(f"\n{'case':<44} {'backend':<17} {'ms':>8} {'TFLOP/s':>8} {'row err':>8}")
-    for r in rows:
-        print(f"{r['case']:<44} {r['backend']:<17} {r['ms']:8.3f} {r['tflops']:8.1f} {r['max_row_err']:8.1e}")
+    write_rows(a.json, rows)
+    print_table(rows)
 
 
 if __name__ == "__main__":

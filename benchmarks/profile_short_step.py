@@ -1,8 +1,8 @@
 """Where the time of a short cached step goes (32K cached + 256 / + 900 new tokens, 16 heads).
 
 For each layer call the bench times (mqa_per_token, mqa_per_token_pad64, mqa_grouped) and for the bare
-attention call (sparse_mla_fwd on the absorbed q, 16 and 64 heads): the device time (do_bench, L2 flushed,
-the bench's protocol), the host time per call (perf_counter over back-to-back calls, no sync inside), and a
+attention call (sparse_mla_fwd on the absorbed q, 16 and 64 heads): the device time
+(``sparse_mla.bench.timing.median_ms``, the bench's do_bench budget, L2 flushed), the host time per call (perf_counter over back-to-back calls, no sync inside), and a
 torch.profiler table of the host ops and device kernels of one call.
 
     python benchmarks/profile_short_step.py --json $OUT/short_step.json
@@ -11,17 +11,15 @@ torch.profiler table of the host ops and device kernels of one call.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import time
 
 import torch
-import triton
 
 from sparse_mla import sparse_mla_fwd
 from sparse_mla.bench.baselines import mqa_per_token_pad64
+from sparse_mla.bench.common import run_meta, write_json
 from sparse_mla.bench.inputs import make_inputs
-from sparse_mla.bench.report import git_revision
+from sparse_mla.bench.timing import median_ms
 from sparse_mla.layer import dsa_prefill
 from sparse_mla.layer.checks import validate_dsa_prefill_args
 from sparse_mla.layer.paths import absorb_queries
@@ -85,7 +83,7 @@ def main():
                                                          topk_length=p.topk_length),
         }
         for name, fn in calls.items():
-            dev_ms = triton.testing.do_bench(fn, warmup=25, rep=100)
+            dev_ms = median_ms(fn)
             launch_ms, synced_ms = host_ms(fn)
             rec = {"new": new, "call": name, "do_bench_ms": dev_ms, "host_ms_per_call": launch_ms,
                    "back_to_back_ms_per_call": synced_ms}
@@ -96,12 +94,8 @@ def main():
             for name in ("layer mqa_per_token", "layer pad64"):
                 print(f"--- {name}, new {new}")
                 print(profile_table(calls[name]))
-    meta = {"command": "python benchmarks/profile_short_step.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
-            "git_revision": git_revision(), "gpu": torch.cuda.get_device_name(), "date":
-            datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "torch": torch.__version__, "triton": triton.__version__}
-    with open(args.json, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    command = "python benchmarks/profile_short_step.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items())
+    write_json(args.json, run_meta(command=command), rows)
 
 
 if __name__ == "__main__":

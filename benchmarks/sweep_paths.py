@@ -4,8 +4,8 @@
 For each layout (DeepSeek-V3.2, GLM-5, GLM-5.3-Flash NoPE), heads per rank (16/32/64/128 where the
 model has them) and prompt point (1K..64K new tokens, pure and after a cached prefix), it times
 every path that supports the step (``dsa_prefill(..., path=<forced>)``, the whole layer call:
-decompression / absorption, masks or unions, attention, W_UV) with ``triton.testing.do_bench``
-(L2 flushed between runs; median and 20/80 % quantiles), checks each path's output on the first and
+decompression / absorption, masks or unions, attention, W_UV) with ``sparse_mla.bench.timing.time_trial``
+(do_bench, L2 flushed between runs; median and 20/80 % quantiles), checks each path's output on the first and
 last ``--check-tokens`` tokens against the fp32 layer reference ``dsa_prefill_ref``, prints the best
 path per point next to the dispatcher's automatic pick, and the thresholds the timings imply for
 ``sparse_mla.layer.dispatch.THRESHOLDS``.
@@ -16,8 +16,8 @@ Run on the H200 (torch 2.11 / triton 3.6, bf16), from the repository root:
     OUT=./out python benchmarks/sweep_paths.py --models glm-5 --heads 16 --budget-s 60
 
 Points run cheapest first until ``--budget-s`` seconds have passed; the rest are listed as skipped.
-Writes ``$OUT/sweep_paths.json`` (command, git rev, GPU, versions, date, every timing, the implied
-thresholds). Exit status 1 when any output check failed or a path raised.
+Writes ``$OUT/sweep_paths.json`` (``meta``: ``sparse_mla.bench.common.run_meta`` with the arguments; ``rows``: every
+timing; the implied thresholds). Exit status 1 when any output check failed or a path raised.
 
 Useful work (TFLOP/s column): the per-token sparse MLA FLOPs 2 * H * K_valid * (D_qk + D_v) with the
 latent dims (576 + 512, or 512 + 512 for NoPE), summed over queries (``dispatch.sparse_work``), the
@@ -27,14 +27,14 @@ same for every path, so a higher figure is a faster path.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 import time
 import traceback
 
 import torch
+
+from sparse_mla.bench.common import REP_MS, WARMUP_MS
 
 DEFAULT_PURE = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 DEFAULT_CACHED = ((2048, 2048), (4096, 4096), (6144, 2048), (12288, 4096), (28672, 4096))
@@ -56,8 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget-s", type=float, default=300.0, help="stop starting new points after this many seconds")
     ap.add_argument("--max-call-s", type=float, default=1.0, help="skip a path whose estimated call time exceeds this")
-    ap.add_argument("--warmup-ms", type=int, default=10)
-    ap.add_argument("--rep-ms", type=int, default=60)
+    ap.add_argument("--warmup-ms", type=int, default=WARMUP_MS, help="do_bench warm-up budget per call (ms)")
+    ap.add_argument("--rep-ms", type=int, default=REP_MS, help="do_bench measuring budget per call (ms)")
     ap.add_argument("--check-tokens", type=int, default=128, help="tokens checked at each end (0 = no check)")
     ap.add_argument("--tol", type=float, default=1e-2, help="relative Frobenius error allowed (bf16)")
     ap.add_argument("--smoke-cpu", action="store_true",
@@ -77,20 +77,12 @@ def main(argv=None) -> int:
     else:
         print("sweep_paths.py needs a CUDA GPU (it times Triton kernels); --smoke-cpu tests the script", file=sys.stderr)
         return 2
-    import triton
-    import triton.testing
+    from sparse_mla.bench.common import rel_err, run_meta, timing_note, write_json
+    from sparse_mla.bench.inputs import make_inputs, slice_heads, sub_problem
+    from sparse_mla.bench.timing import time_trial
 
     def bench(fn):
-        if args.smoke_cpu:
-            t0 = time.perf_counter()
-            fn()
-            ms = (time.perf_counter() - t0) * 1e3
-            return ms, ms, ms
-        return triton.testing.do_bench(fn, warmup=args.warmup_ms, rep=args.rep_ms, quantiles=[0.5, 0.2, 0.8])
-
-    from sparse_mla.bench.check import rel_err
-    from sparse_mla.bench.inputs import make_inputs, slice_heads, sub_problem
-    from sparse_mla.bench.report import git_revision
+        return time_trial(fn, on_gpu=not args.smoke_cpu, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms)
     from sparse_mla.layer import PrefillStep, dsa_prefill, dsa_prefill_ref, explain
     from sparse_mla.layer.dispatch import THRESHOLDS, mha_work, sparse_work, work_ratio
     from sparse_mla.workloads.models import MODELS
@@ -119,14 +111,10 @@ def main(argv=None) -> int:
             work.append((est, m, (c, n), hs))
     work.sort(key=lambda w: w[0])
 
-    meta = {
-        "command": " ".join([sys.executable, *sys.argv]), "git_rev": git_revision(),
-        "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (smoke test, Triton interpreter)",
-        "torch": torch.__version__, "triton": triton.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "args": vars(args), "thresholds_in_code": repr(THRESHOLDS),
-    }
-    print(f"# {meta['gpu']}  torch {meta['torch']}  triton {meta['triton']}  rev {meta['git_rev']}  {meta['date']}")
+    meta = run_meta(device=dev, timing=timing_note(warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
+                                                   interpreted=args.smoke_cpu),
+                    args=vars(args), thresholds_in_code=repr(THRESHOLDS))
+    print(f"# {meta['gpu']}  torch {meta['torch']}  triton {meta['triton']}  rev {meta['git_revision']}  {meta['date']}")
     hdr = f"{'model':14s} {'H':>3s} {'cached':>6s} {'new':>6s} {'ratio':>5s} | " + " ".join(f"{p:>13s}" for p in PATHS_ORDER)
     print(hdr + " | best          auto (x best)")
     rows, skipped, failures = [], [], 0
@@ -225,12 +213,10 @@ def main(argv=None) -> int:
     if skipped:
         print(f"# skipped {len(skipped)} point(s): " + ", ".join(f"{s['model']} {s['cached']}+{s['new']} ({s['why']})"
                                                                for s in skipped))
-    result = {**meta, "rows": rows, "skipped": skipped, "fitted_thresholds": [asdict(x) for x in fitted],
-              "evaluation_thresholds_in_code": ev_code, "evaluation_fitted": ev_fit, "grouped_wins": grouped_wins,
-              "elapsed_s": time.monotonic() - t_start, "failures": failures}
     path = os.path.join(out_dir, "sweep_paths.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1, default=str)
+    write_json(path, meta, rows, skipped=skipped, fitted_thresholds=[asdict(x) for x in fitted],
+               evaluation_thresholds_in_code=ev_code, evaluation_fitted=ev_fit, grouped_wins=grouped_wins,
+               elapsed_s=time.monotonic() - t_start, failures=failures)
     print(f"# wrote {path}; {failures} failure(s)")
     return 1 if failures else 0
 

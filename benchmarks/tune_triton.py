@@ -1,27 +1,26 @@
 """GPU tuning run for the sparse MQA kernels (H200): bf16 correctness, then config sweeps and timings.
 
 Usage on the GPU box:  OUT=out PYTHONPATH=. python3 benchmarks/tune_triton.py [--quick]
-Writes $OUT/tune.json and prints a table. Times: triton.testing.do_bench (CUDA events, L2 flushed
-between runs, median). TFLOP/s of useful work = 2 * H * valid rows * (D_qk + 512) / time.
+Writes $OUT/tune.json and prints a table. Times: ``sparse_mla.bench.timing.median_ms`` (do_bench at the bench's
+budget: CUDA events, L2 flushed between runs, median). TFLOP/s of useful work = 2 * H * valid rows * (D_qk + 512) /
+time; errors and floors: ``sparse_mla.bench.common``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 import time
 
 import torch
 import triton
-import triton.testing
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sparse_mla import SparseMLAWorkspace, build_group_union, sparse_mla_fwd, sparse_mla_ref  # noqa: E402
-from sparse_mla.bench.report import git_revision  # noqa: E402
+from sparse_mla.bench.common import floor_ms, rel_err, run_meta, tflops, write_json  # noqa: E402
+from sparse_mla.bench.timing import median_ms  # noqa: E402
 from sparse_mla.mqa.triton_tl import sparse_mqa_grouped, sparse_mqa_per_token  # noqa: E402
 from sparse_mla.union.grouping import overlap_guard_ratio  # noqa: E402
 from sparse_mla.union.planning import plan_groups  # noqa: E402
@@ -33,7 +32,7 @@ RESULTS: list[dict] = []
 
 
 def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
+    return median_ms(fn)
 
 
 def overlap_topk(T: int, K: int, N: int, block: int, sigma: float, seed: int = 0) -> torch.Tensor:
@@ -48,10 +47,6 @@ def overlap_topk(T: int, K: int, N: int, block: int, sigma: float, seed: int = 0
         s = base[rows] * (1 - sigma) + torch.rand(t1 - t0, N, generator=g, device=DEV) * sigma
         out[t0:t1] = s.topk(K, dim=1).indices.int()
     return out
-
-
-def rel(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def check_correctness() -> None:
@@ -74,7 +69,7 @@ def check_correctness() -> None:
             sparse_mla_fwd(q, kv, idx, D_QK**-0.5, topk_length=tl_, method=method, cu_seqlens_q=cu, out=o, lse=lse, return_lse=True)
             torch.cuda.synchronize()
             fin = torch.isfinite(rl)
-            e = rel(o, ro)
+            e = rel_err(o, ro)
             lse_err = (lse[fin] - rl[fin]).abs().max().item()
             ok = (not torch.isnan(o).any().item()) and e < 1e-2 and torch.equal(torch.isfinite(lse), fin) and lse_err < 1e-2
             RESULTS.append(dict(kind="check", H=H, method=method, layout="requests" if cu is not None else "token-major", rel_err=e, lse_err=lse_err, ok=ok))
@@ -99,8 +94,8 @@ def per_token_sweep(quick: bool) -> None:
             except Exception as e:  # noqa: BLE001 - a config that fails to compile is reported, not fatal
                 print(f"per_token H={H} cfg={cfg} FAILED: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
-            RESULTS.append(dict(kind="per_token", H=H, T=T, K=K, N=N, config=cfg, ms=ms, tflops=flops / ms / 1e9))
-            print(f"per_token H={H:3d} cfg={cfg} {ms:7.3f} ms {flops / ms / 1e9:6.1f} TFLOP/s", flush=True)
+            RESULTS.append(dict(kind="per_token", H=H, T=T, K=K, N=N, config=cfg, ms=ms, tflops=tflops(flops, ms)))
+            print(f"per_token H={H:3d} cfg={cfg} {ms:7.3f} ms {tflops(flops, ms):6.1f} TFLOP/s", flush=True)
 
 
 def grouped_runs(quick: bool) -> None:
@@ -148,12 +143,12 @@ def grouped_runs(quick: bool) -> None:
                 print(f"grouped bm={bm} cfg={cfg} FAILED: {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
             row[f"attn_ms_bm{bm}_{cfg[0]}_{cfg[1]}_{cfg[2]}"] = ms
-            print(f"grouped sigma={sigma} ratio={ratio:.2f} bm={bm} cfg={cfg} attn {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s useful), union {t_union:.3f} ms", flush=True)
+            print(f"grouped sigma={sigma} ratio={ratio:.2f} bm={bm} cfg={cfg} attn {ms:.3f} ms ({tflops(flops, ms):.0f} TFLOP/s useful), union {t_union:.3f} ms", flush=True)
         row["end_to_end_ms"] = bench(lambda: sparse_mla_fwd(q, kv, idx, 0.04, method="grouped", workspace=ws, out=out))
         row["per_token_ms"] = bench(lambda: sparse_mqa_per_token(q, kv, idx, 0.04, None, out, None))
         row["padded64_ms"] = bench(lambda: sparse_mqa_per_token(q64, kv, idx, 0.04, None, out64, None))
         gathered = ratio * K * (T // G) * D_QK * 2
-        row["floor_ms"] = max(2 * 128 * ratio * K * (T // G) * (D_QK + D_V) / 790e12, gathered / 4.3e12) * 1e3
+        row["floor_ms"] = floor_ms(2 * 128 * ratio * K * (T // G) * (D_QK + D_V), gathered)
         row["guard_ratio"] = overlap_guard_ratio(G)
         RESULTS.append(row)
         print(f"  sigma={sigma} ratio={ratio:.2f}: e2e {row['end_to_end_ms']:.3f} ms, per_token {row['per_token_ms']:.3f}, padded64 {row['padded64_ms']:.3f}, floor {row['floor_ms']:.3f}", flush=True)
@@ -173,11 +168,9 @@ def main() -> None:
         grouped_runs(args.quick)
     out_dir = os.environ.get("OUT", "out")
     os.makedirs(out_dir, exist_ok=True)
-    meta = dict(command=" ".join(sys.argv), git_revision=git_revision(), gpu=torch.cuda.get_device_name(), date=datetime.datetime.now().isoformat(),
-                torch=torch.__version__, triton=triton.__version__, wall_s=time.time() - t0)
-    with open(os.path.join(out_dir, "tune.json"), "w") as f:
-        json.dump(dict(meta=meta, results=RESULTS), f, indent=1)
-    print(json.dumps(meta))
+    meta = run_meta(wall_s=time.time() - t0)
+    write_json(os.path.join(out_dir, "tune.json"), meta, RESULTS)
+    print(meta)
 
 
 if __name__ == "__main__":

@@ -10,15 +10,15 @@
    case, G = 16 without a guard), other block sizes; with --e2e also the grouped sparse_mla_fwd with each
    builder (compiles the attention kernels). Odd shapes are checked against the reference only (no Triton
    compile for them). One PASS / FAIL line per check.
-2. Timings (triton.testing.do_bench, median, L2 flushed): group plan + union build as the grouped step runs
+2. Timings (``sparse_mla.bench.timing.median_ms``: do_bench at the bench's budget, median, L2 flushed): group plan + union build as the grouped step runs
    it (overlap guard on), Triton vs CUDA, for the bench's synthetic "mid" top-k (sparse_mla.workloads,
    as sparse_mla.bench.inputs makes it: one request from an empty cache): 16K tokens at G = 8, 46K tokens
    at G = 8, 16K at G = 2, 4, 16, and the no-overlap worst case ("none" lists behind a 32K cached prefix,
    disjoint); each in both layouts. Also the CUDA builder without the guard (what `sparse-mla bench`'s
    union_build column times) and kernel variants (block size, loads in flight, table size) at 16K, G = 8, 2, 4.
 
-Writes a JSON (command, git revision, GPU, date, versions, seed, checks, timings) to --json and prints a
-short table last. Exit status 1 if a check failed. About 1-3 minutes on an H200:
+Writes a JSON to --json (``meta``: ``sparse_mla.bench.common.run_meta`` with the seed and the kernel; ``rows``: the
+timings; ``checks``) and prints a short table last. Exit status 1 if a check failed. About 1-3 minutes on an H200:
 
     python3 benchmarks/union_cuda.py --json results/union-cuda.json
 """
@@ -26,8 +26,6 @@ short table last. Exit status 1 if a check failed. About 1-3 minutes on an H200:
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 import time
@@ -38,7 +36,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from sparse_mla import SparseMLAWorkspace  # noqa: E402
-from sparse_mla.bench.report import git_revision  # noqa: E402
+from sparse_mla.bench.common import fmt, print_rows, rel_err, run_meta, timing_note, write_json  # noqa: E402
+from sparse_mla.bench.timing import median_ms  # noqa: E402
 from sparse_mla.union import backends, cuda_smem, planning, triton_tl  # noqa: E402
 from sparse_mla.union.grouping import overlap_guard_ratio  # noqa: E402
 from sparse_mla.workloads import synthetic_batch  # noqa: E402
@@ -258,12 +257,12 @@ def e2e_check(results: list, seed: int) -> None:
         else:
             os.environ[backends.ENV_VAR] = old
         (o_t, _), (o_c, _) = outs["triton"], outs["cuda_smem"]
-        d = ((o_t.float() - o_c.float()).norm() / o_t.float().norm()).item()
+        d = rel_err(o_c, o_t)
         if not d < 1e-2 or torch.isnan(o_c).any():
             problems.append(f"outputs differ: rel {d:.2e}")
         sl = torch.arange(0, 2048, 97, device=DEV)
         ref_o, _ = sparse_mla_ref(q[sl], kv, b.indices[sl], 0.07, topk_length=b.valid[sl])
-        e = ((o_c[sl].float() - ref_o).norm() / ref_o.norm()).item()
+        e = rel_err(o_c[sl], ref_o)
         if not e < 1e-2:
             problems.append(f"cuda_smem run vs reference: rel {e:.2e}")
     except Exception as exc:
@@ -332,11 +331,9 @@ def run_checks(seed: int, e2e: bool) -> list:
 # timings
 
 def bench(fn) -> float:
-    import triton.testing
-
     fn()
     torch.cuda.synchronize()
-    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+    return median_ms(fn)
 
 
 def union_ratio(p: Problem, G: int) -> float:
@@ -460,36 +457,24 @@ def main() -> int:
     checks = run_checks(seed, args.e2e)
     timings = [] if args.skip_timings else run_timings(seed)
     import cupy
-    import triton
 
-    doc = {
-        "command": " ".join([sys.executable, *sys.argv]), "git_revision": git_revision(),
-        "gpu": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__, "triton": triton.__version__, "cupy": cupy.__version__, "seed": seed,
-        "first_compile_seconds": compile_s,
-        "kernel": {"threads": cuda_smem.THREADS, "min_blocks": cuda_smem.MIN_BLOCKS, "unroll": cuda_smem.UNROLL,
-                   "attributes": {k: v for k, v in cuda_smem.get_kernel(torch.cuda.current_device()).attributes.items()}},
-        "timing": "triton.testing.do_bench(warmup=25, rep=100, return_mode='median'), L2 flushed; each timed call is "
-                  "plan_groups + the builder with the default overlap guard (the grouped step's union phase); plan_ms: "
-                  "plan_groups alone; cuda_smem_noguard_ms: without the guard",
-        "checks": checks, "timings": timings,
-    }
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(doc, f, indent=1)
+    meta = run_meta(timing=timing_note() + "; each timed call is plan_groups + the builder with the default overlap "
+                    "guard (the grouped step's union phase); plan_ms: plan_groups alone; cuda_smem_noguard_ms: without "
+                    "the guard", cupy=cupy.__version__, seed=seed, first_compile_seconds=compile_s,
+                    kernel={"threads": cuda_smem.THREADS, "min_blocks": cuda_smem.MIN_BLOCKS, "unroll": cuda_smem.UNROLL,
+                            "attributes": dict(cuda_smem.get_kernel(torch.cuda.current_device()).attributes.items())})
+    write_json(args.json, meta, timings, checks=checks)
     n_fail = sum(not c["ok"] for c in checks) + sum(not r.get("same_unions", True) for r in timings)
     print(f"\nwrote {args.json}; checks: {len(checks) - sum(not c['ok'] for c in checks)} passed, "
           f"{sum(not c['ok'] for c in checks)} failed; first compile {compile_s:.1f} s")
-    print("\n| case | layout | union ratio | triton ms | cuda_smem ms | speedup | cuda no guard ms | table | same |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in timings:
-        if "variant" in r:
-            continue
-        print(f"| {r['case']} | {r['layout']} | {r['union_ratio']:.2f} | {r['triton_ms']:.3f} | {r['cuda_smem_ms']:.3f} | "
-              f"{r['speedup']:.1f}x | {r['cuda_smem_noguard_ms']:.3f} | {r['table']['slots']} | {r['same_unions']} |")
-    for r in timings:
-        if "variant" in r:
-            print(f"| {r['case']}: {r['variant']} | requests | | | {r['cuda_smem_ms']:.3f} | | | | |")
+    print_rows("union build: ms per grouped step's union phase", [r for r in timings if "variant" not in r], {
+        "case": lambda r: r["case"], "layout": lambda r: r["layout"], "union ratio": lambda r: fmt(r["union_ratio"], ".2f"),
+        "triton ms": lambda r: fmt(r["triton_ms"], ".3f"), "cuda_smem ms": lambda r: fmt(r["cuda_smem_ms"], ".3f"),
+        "speedup": lambda r: fmt(r["speedup"], ".1f") + "x", "no guard ms": lambda r: fmt(r["cuda_smem_noguard_ms"], ".3f"),
+        "table": lambda r: str(r["table"]["slots"]), "same": lambda r: str(r["same_unions"])}, left=(0, 1))
+    print_rows("CUDA builder variants (requests layout)", [r for r in timings if "variant" in r], {
+        "case": lambda r: r["case"], "variant": lambda r: r["variant"],
+        "cuda_smem ms": lambda r: fmt(r["cuda_smem_ms"], ".3f")}, left=(0, 1))
     return 1 if n_fail else 0
 
 

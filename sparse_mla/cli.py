@@ -201,7 +201,8 @@ def _bench_torchrun(world: int, model: list[Model] | None, tp: int | None, new_l
     elif tp != world:
         raise typer.BadParameter(f"under torchrun it must equal WORLD_SIZE = {world}, got {tp}", param_hint="--tp")
     on_gpu = _kernel_device()
-    from .bench import report, scenarios
+    from .bench import scenarios
+    from .bench.common import write_json
     from .bench.shardq import plot_shardq, print_shardq_table, run_shardq_bench
 
     names = [m.value for m in model] if model else list(scenarios.SHARDQ_MODELS)
@@ -214,14 +215,14 @@ def _bench_torchrun(world: int, model: list[Model] | None, tp: int | None, new_l
     if res is None:  # ranks other than 0
         return
     json_out = json_out or "out/bench_shardq.json"
-    report.write_json(json_out, res["meta"], res["results"], **{k: v for k, v in res.items() if k not in ("meta", "results")})
+    write_json(json_out, res["meta"], res["rows"], **{k: v for k, v in res.items() if k not in ("meta", "rows")})
     plot_out = "out/bench_shardq.png" if plot_out is None else plot_out
     if plot_out:
-        plot_shardq(plot_out, res["results"])
-    print_shardq_table(res["results"], wide=wide)
+        plot_shardq(plot_out, res["rows"])
+    print_shardq_table(res["rows"], wide=wide)
     typer.echo(f"wrote {json_out}" + (f" and {plot_out}" if plot_out else ""))
     _exit_on_failures([f"{r['model']} T={r['tokens']} {r['variant']}: check failed"
-                       for r in res["results"] if r.get("check_ok") is False])
+                       for r in res["rows"] if r.get("check_ok") is False])
 
 
 def _exit_on_failures(failures: list[str]) -> None:
@@ -294,6 +295,7 @@ def bench(
     from tqdm import tqdm
 
     from .bench import report
+    from .bench.common import write_json
     from .bench.runner import run_scenario
 
     if on_gpu:
@@ -336,7 +338,7 @@ def bench(
     meta.update(overlap=overlap if trace is None else f"trace {topk_trace}", dtype=str(torch_dtype), kv_format=kv_format)
     json_out = json_out or "out/bench.json"
     plot_out = "out/bench.png" if plot_out is None else plot_out
-    report.write_json(json_out, meta, rows)
+    write_json(json_out, meta, rows)
     if plot_out:
         report.plot(plot_out, rows, not on_gpu)
     report.print_table(rows, not on_gpu, wide=wide)
@@ -364,7 +366,8 @@ def _bench_op_suites(ctx: typer.Context, names: list[str], dtype: DType, trials:
     import torch
     from tqdm import tqdm
 
-    from .bench import op, report
+    from .bench import op
+    from .bench.common import print_tables
 
     try:
         cases = [dataclasses.replace(c, seed=seed) for name in names for c in op.suite(name, cpu=not on_gpu)]
@@ -379,7 +382,7 @@ def _bench_op_suites(ctx: typer.Context, names: list[str], dtype: DType, trials:
     bar = tqdm(cases, desc="op cases", unit="case")
     rows = op.run_suites(bar, json_path=json_out, echo=bar.write, trials=default_trials(trials, on_gpu=on_gpu,
                          torchrun=False), device="cuda" if on_gpu else "cpu", dtype=torch_dtype)
-    report.print_tables(*op.tables(rows, wide, interpreted=not on_gpu), wide=wide)
+    print_tables(*op.tables(rows, wide, interpreted=not on_gpu), wide=wide)
     typer.echo(f"wrote {json_out}")
     _exit_on_failures([f"{r['case']} {name}: " + rec.get("error", rec.get("graph_error", "check failed"))
                        for r in rows for name, rec in r["calls"].items()

@@ -1,4 +1,4 @@
-"""Output check of a benchmarked path: relative Frobenius error against the fp32 layer reference
+"""Output check of a benchmarked path: relative Frobenius error (``common.rel_err``) against the fp32 layer reference
 (``sparse_mla.layer.dsa_prefill_ref``) on a few sampled chunks of tokens.
 
 The reference is per token, so a chunk lo .. hi-1 is its own step (``inputs.sub_problem``); three
@@ -12,6 +12,7 @@ import torch
 
 from ..layer.paths import MQA_KV_LORA_RANKS, MQA_ROPE_DIMS
 from ..layer.reference import dsa_prefill_ref
+from .common import rel_err
 from .inputs import sub_problem
 
 Chunk = tuple[int, int, torch.Tensor]  # (lo, hi, reference o [hi - lo, H, v_head_dim] fp32)
@@ -30,13 +31,6 @@ def check_tolerance(dtype: torch.dtype) -> float:
     if dtype not in CHECK_TOLERANCE:
         raise ValueError(f"no check tolerance for dtype {dtype}; one of {list(CHECK_TOLERANCE)}")
     return CHECK_TOLERANCE[dtype]
-
-
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """||x - ref||_F / ||ref||_F in fp32 (the absolute error when ref is all zero); NaN in x gives NaN."""
-    x, ref = x.float(), ref.float()
-    d = ref.norm().item()
-    return (x - ref).norm().item() / d if d > 0 else (x - ref).norm().item()
 
 
 def chunk_bounds(tokens: int, chunks: int = 3, size: int = 16) -> list[tuple[int, int]]:
@@ -59,12 +53,9 @@ def reference_chunks(inp: dict, bounds: list[tuple[int, int]]) -> list[Chunk]:
 
 
 def max_rel_err(out: torch.Tensor, refs: list[Chunk]) -> float:
-    """Largest ``rel_err`` of out[lo:hi] (out: [T, H, v_head_dim]) over the reference chunks
-    (NaN if any is NaN, e.g. an unwritten NaN-poisoned output)."""
-    errs = [rel_err(out[lo:hi], ref) for lo, hi, ref in refs]
-    if any(e != e for e in errs):
-        return float("nan")
-    return max(errs, default=float("nan"))
+    """Largest ``common.rel_err`` of out[lo:hi] (out: [T, H, v_head_dim]) over the reference chunks (inf where out
+    has a NaN, e.g. an unwritten NaN-poisoned row; NaN for no chunks)."""
+    return max((rel_err(out[lo:hi], ref) for lo, hi, ref in refs), default=float("nan"))
 
 
-__all__ = ["rel_err", "chunk_bounds", "reference_chunks", "max_rel_err", "CHECK_TOLERANCE", "check_tolerance"]
+__all__ = ["chunk_bounds", "reference_chunks", "max_rel_err", "CHECK_TOLERANCE", "check_tolerance"]

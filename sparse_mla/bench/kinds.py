@@ -1,12 +1,14 @@
 """The JSON files that the CLI and the bench modules write, by kind, and how ``sparse-mla report`` renders each.
 
-Every writer stamps ``meta["kind"]`` (a key of ``KINDS``); a file without the stamp (the committed ones under
-results/ predate it) is told by its shape (``SHAPES``: where its rows are and which keys every row has). Each kind
-renders as a compact table (fits 80 columns), the full table (``wide``) or markdown (``markdown``; for the layer
-bench, the README's table). Imports nothing at module level beyond the standard library.
+Every writer stamps ``meta["kind"]`` (a key of ``KINDS``); ``sparse_mla.bench.common.load`` reads a file of any age
+(older row and meta keys, the kind of an unstamped file told by its rows' keys: ``common.ROW_KEYS``). Each kind renders
+as a compact table (fits 80 columns), the full table (``wide``) or markdown (``markdown``; for the layer bench, the
+README's table). Imports nothing at module level beyond the standard library and ``common``.
 """
 
 from __future__ import annotations
+
+from .common import ROW_KEYS, load, markdown_cells, print_tables, rows_fit
 
 KINDS = {  # kind -> what writes it
     "layer": "sparse-mla bench",
@@ -15,22 +17,7 @@ KINDS = {  # kind -> what writes it
     "kv_fp8": "python -m sparse_mla.bench.kv_fp8",
     "op": "python -m sparse_mla.bench.op or sparse-mla bench --op-suite",
 }
-# kind -> (the key of the rows in the document, the keys every row has)
-SHAPES = {
-    "layer": ("results", ("scenario", "heads", "paths", "chosen_path", "chosen_ms")),
-    "shardq": ("results", ("model", "tp", "tokens", "variant", "total_ms", "attn_ms", "xchg_q_ms", "xchg_out_ms")),
-    "shardq_layer": ("results", ("model", "tp", "tokens", "variant", "chunks", "total_ms", "exposed_exchange_ms")),
-    "kv_fp8": ("rows", ("case", "variant")),
-    "op": ("rows", ("case", "calls")),  # op.run_case's rows and op_decode's (api "flash_mla_with_kvcache")
-}
 INTERPRETER_NOTE = "(Triton interpreter run: the times are not performance numbers)"
-
-
-def _fits(doc: dict, kind: str) -> bool:
-    key, needed = SHAPES[kind]
-    rows = doc.get(key)
-    return (isinstance(rows, list) and bool(rows)
-            and all(isinstance(r, dict) and all(k in r for k in needed) for r in rows))
 
 
 def known_kinds() -> str:
@@ -39,33 +26,29 @@ def known_kinds() -> str:
 
 
 def detect(doc: object, source: str) -> tuple[str, dict, list[dict]]:
-    """(kind, meta, rows) of a loaded JSON: ``meta["kind"]`` when stamped, else the one kind of ``SHAPES`` that its
-    rows fit.
+    """(kind, meta, rows) of a loaded JSON (``common.load``): its stamped kind, or the one kind its rows fit.
 
     Raises:
-        ValueError: not one of ``KINDS`` (an unknown stamp, rows of no known shape, or rows that do not fit the
-            stamped kind); the message names ``source`` and the kinds ``report`` renders.
+        ValueError: not one of ``KINDS`` (not an object, an unknown stamp, rows of no known shape, or rows that do
+            not fit the stamped kind); the message names ``source`` and the kinds ``report`` renders.
     """
-    if not isinstance(doc, dict):
-        raise ValueError(f"{source}: not a bench JSON (a {type(doc).__name__}, not an object); report renders: "
+    try:
+        kind, meta, rows = load(doc, source)
+    except ValueError as e:
+        raise ValueError(f"{e}; report renders: {known_kinds()}") from e
+    stamped = meta.get("kind")
+    if stamped is not None:
+        if stamped not in KINDS:
+            raise ValueError(f"{source}: unknown kind {stamped!r}; report renders: {known_kinds()}")
+        if not rows_fit(rows, stamped):
+            raise ValueError(f"{source}: meta.kind is {stamped!r}, but its rows[] rows do not all have "
+                             f"{', '.join(ROW_KEYS[stamped])}")
+    elif kind is None:
+        fits = [k for k in ROW_KEYS if rows_fit(rows, k)]
+        raise ValueError(f"{source}: not a JSON that `sparse-mla report` renders (no meta.kind, and its rows fit "
+                         f"{'none' if not fits else ' and '.join(fits)} of the known shapes); report renders: "
                          f"{known_kinds()}")
-    meta = doc.get("meta") if isinstance(doc.get("meta"), dict) else {}
-    kind = meta.get("kind")
-    if kind is not None:
-        if kind not in KINDS:
-            raise ValueError(f"{source}: unknown kind {kind!r}; report renders: {known_kinds()}")
-        if not _fits(doc, kind):
-            key, needed = SHAPES[kind]
-            raise ValueError(f"{source}: meta.kind is {kind!r}, but its {key}[] rows do not all have "
-                             f"{', '.join(needed)}")
-    else:
-        fits = [k for k in SHAPES if _fits(doc, k)]
-        if len(fits) != 1:
-            raise ValueError(f"{source}: not a JSON that `sparse-mla report` renders (no meta.kind, and its rows fit "
-                             f"{'none' if not fits else ' and '.join(fits)} of the known shapes); report renders: "
-                             f"{known_kinds()}")
-        kind = fits[0]
-    return kind, meta, doc[SHAPES[kind][0]]
+    return kind, meta, rows
 
 
 def _provenance(meta: dict) -> str:
@@ -114,8 +97,6 @@ def _markdown(kind: str, meta: dict, rows: list[dict], source: str) -> str:
 
         lines.append(markdown_rows(rows))
     else:  # kv_fp8, shardq_layer: their wide table
-        from .report import markdown_cells
-
         lines.append(markdown_cells(*_module(kind).row_cells(rows, wide=True)))
     return "\n".join(lines)
 
@@ -146,7 +127,7 @@ def _tables(kind: str, meta: dict, rows: list[dict], source: str, wide: bool) ->
 def report(doc: object, source: str, *, wide: bool = False, markdown: bool = False, width: int | None = None) -> None:
     """Print a loaded bench JSON: its provenance line, then its compact tables (each fits 80 columns), with ``wide``
     the full ones (at their own width), with ``markdown`` markdown tables (the layer bench's: the README's table).
-    ``width``: the console's (``report.print_tables``).
+    ``width``: the console's (``common.print_tables``).
 
     Raises:
         ValueError: a JSON that is none of ``KINDS`` (``detect``), or rows that lack a key its tables need.
@@ -159,9 +140,7 @@ def report(doc: object, source: str, *, wide: bool = False, markdown: bool = Fal
     if markdown:
         print(out)
         return
-    from .report import print_tables
-
     print_tables(*out, width=width, wide=wide)
 
 
-__all__ = ["KINDS", "SHAPES", "detect", "report", "known_kinds"]
+__all__ = ["KINDS", "detect", "report", "known_kinds"]

@@ -24,10 +24,10 @@ Each row records the ``backend`` the selection point picked for it (and, on the 
 Inputs (the protocol of ``benchmarks/bench_gluon.py``): T query tokens over N cache rows, query i taking topk distinct
 uniform rows of [0, N - T + i] per token; grouped: the "mid" synthetic top-k of N - T cached + T new tokens. Every
 row: ms (``timing.time_trials``: do_bench median, L2 flushed), useful TFLOP/s (2 H valid (576 + 512) per query),
-the roofline floor (the larger of the computed FLOPs at 790 TFLOP/s and the gathered bytes at 4.3 TB/s: 1152 B per
-row for bf16, 656 for FP8; per token every valid row of every query, grouped the groups' union rows once on the
-128-pseudo-head tile), and the largest per-(token, head) relative error on sampled tokens against the fp32
-reference of the cache it read (``max_row_err``: the dequantized cache for ``fp8`` / ``dequant+bf16``) and against
+the roofline floor (``common.floor_ms`` of the computed FLOPs and the gathered bytes: 1152 B per row for bf16, 656
+for FP8; per token every valid row of every query, grouped the groups' union rows once on the
+128-pseudo-head tile), and the largest per-(token, head) row error (``common.max_row_err``) on sampled tokens against
+the fp32 reference of the cache it read (``max_row_err``: the dequantized cache for ``fp8`` / ``dequant+bf16``) and against
 the bf16 cache's (``max_row_err_vs_bf16_cache``: the quantization's own effect). Without a GPU it runs tiny sizes
 through the Triton interpreter (fp16; not performance numbers).
 """
@@ -35,15 +35,14 @@ through the Triton interpreter (fp16; not performance numbers).
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 
 import torch
 
+from .common import floor_ms, fmt, make_table, max_row_err, render_text, run_meta, tflops, timing_note, write_json
+
 D_QK, D_V = 576, 512
-PEAK_TFLOPS, HBM_TBS = 790.0, 4.3
 ROW_TOL = {torch.bfloat16: 3 * 2**-8, torch.float16: 3 * 2**-11}  # tests/testlib/tolerances.py ROW_TOLERANCE
 # Triton launch configs (BLOCK_N, num_warps, num_stages) tried by --sweep-configs for the FP8 cache.
 SWEEP_CONFIGS = ((64, 4, 2), (64, 8, 2), (32, 4, 2), (32, 8, 2), (32, 8, 3), (64, 8, 1))
@@ -64,12 +63,6 @@ def causal_uniform(T: int, K: int, N: int, gen: torch.Generator, device: torch.d
         top = r.topk(take, dim=1)
         idx[i0:i0 + n, :take] = torch.where(top.values >= 0, top.indices, -1).to(torch.int32)
     return idx
-
-
-def _row_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    o, r = out.float().flatten(0, -2), ref.float().flatten(0, -2)
-    num, den = (o - r).norm(dim=-1), r.norm(dim=-1)
-    return float(torch.where(den > 0, num / den.clamp_min(1e-30), num).max())
 
 
 def run_case(kind: str, H: int, T: int, K: int, N: int, *, dtype: torch.dtype, device: torch.device, trials: int,
@@ -162,7 +155,7 @@ def run_case(kind: str, H: int, T: int, K: int, N: int, *, dtype: torch.dtype, d
             try:
                 out.fill_(float("nan"))
                 fn()
-                err, err16 = _row_err(out[toks], ref), _row_err(out[toks], ref16)
+                err, err16 = max_row_err(out[toks], ref), max_row_err(out[toks], ref16)
                 rec.update(max_row_err=err, max_row_err_vs_bf16_cache=err16, check_ok=bool(err < ROW_TOL[dtype]))
                 rec.update(time_trials(fn, on_gpu=on_gpu, trials=trials))
             except (RuntimeError, TritonError, CompilationError) as e:
@@ -172,8 +165,8 @@ def run_case(kind: str, H: int, T: int, K: int, N: int, *, dtype: torch.dtype, d
                 out_rows.append(rec)
                 print(rec, flush=True)
                 continue
-            rec["tflops"] = useful / (rec["ms"] * 1e-3) / 1e12
-            rec["floor_ms"] = max(computed / (PEAK_TFLOPS * 1e12), gathered * row_bytes / (HBM_TBS * 1e12)) * 1e3
+            rec["tflops"] = tflops(useful, rec["ms"])
+            rec["floor_ms"] = floor_ms(computed, gathered * row_bytes)
             if name == "dequant+bf16":
                 rec["dequant_ms"] = time_trials(lambda: FP8_DS_MLA.dequantize(cache, dtype, out=workspace),
                                                 on_gpu=on_gpu, trials=trials)["ms"]
@@ -217,10 +210,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     only = frozenset(v.strip() for v in a.variants.split(",") if v.strip()) or None
     if only is not None and not only <= set(VARIANTS):
         ap.error(f"--variants: unknown {sorted(only - set(VARIANTS))}; the rows are {', '.join(VARIANTS)}")
-    import triton
-
-    from .report import git_revision, package_version
-
     device = torch.device("cuda" if on_gpu else "cpu")
     dtype = torch.bfloat16 if on_gpu else torch.float16
     rows = []
@@ -230,15 +219,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for H in _ints(a.grouped_heads):
         rows += run_case("grouped", H, a.tokens, a.topk, a.rows, dtype=dtype, device=device, trials=a.trials,
                          scale_format=a.scale_format, sweep=a.sweep_configs, only=only)
-    meta = dict(kind="kv_fp8",
-                command=" ".join(["python -m sparse_mla.bench.kv_fp8", *(argv if argv is not None else sys.argv[1:])]),
-                git_revision=git_revision(), sparse_mla_version=package_version(),
-                gpu=torch.cuda.get_device_name() if on_gpu else "none (CPU, Triton interpreter)",
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), torch=torch.__version__,
-                triton=triton.__version__, dtype=str(dtype), scale_format=a.scale_format, timings_meaningful=on_gpu)
-    os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-    with open(a.json, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    meta = run_meta("kv_fp8", command=" ".join(["python -m sparse_mla.bench.kv_fp8",
+                                                *(argv if argv is not None else sys.argv[1:])]),
+                    timing=timing_note(trials=a.trials, interpreted=not on_gpu), dtype=str(dtype),
+                    scale_format=a.scale_format, timings_meaningful=on_gpu)
+    write_json(a.json, meta, rows)
     print()
     print(format_rows(rows, wide=a.wide, interpreted=not on_gpu))
     print(f"wrote {a.json}" + ("" if on_gpu else " (Triton interpreter: the times are not performance numbers)"))
@@ -251,7 +236,7 @@ WIDE_COLUMNS = ("case", "variant", "backend", "ms", "p20", "p80", "TFLOP/s", "fl
 
 def _row_figures(r: dict) -> dict[str, str]:
     def f(key: str, spec: str) -> str:
-        return "-" if r.get(key) is None else format(r[key], spec)
+        return fmt(r.get(key), spec)
 
     return {"case": r["case"], "variant": r["variant"],
             "backend": r.get("backend", "-") + (f":{r['schedule']}" if r.get("schedule") else ""),
@@ -273,8 +258,6 @@ def row_cells(rows: list[dict], wide: bool = False) -> tuple[list[str], list[lis
 def tables(rows: list[dict], wide: bool = False, interpreted: bool = False) -> list:
     """The rich table of ``row_cells``, then the errors of the rows that raised; ``interpreted``: a Triton-interpreter
     run (its banner in the title)."""
-    from .report import make_table
-
     head, cells = row_cells(rows, wide)
     note = " [INTERPRETER: timings not meaningful]" if interpreted else ""
     caption = ("ms per call; row err = max per-(token, head) row error vs the reference of the cache read, vs bf16 = "
@@ -287,8 +270,6 @@ def tables(rows: list[dict], wide: bool = False, interpreted: bool = False) -> l
 
 def format_rows(rows: list[dict], wide: bool = False, width: int | None = None, interpreted: bool = False) -> str:
     """``tables`` as text, ``width`` columns wide (default 80; ``wide``: as wide as the table needs)."""
-    from .report import render_text
-
     return render_text(*tables(rows, wide, interpreted), width=width, wide=wide)
 
 

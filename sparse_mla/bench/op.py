@@ -29,18 +29,15 @@ Lists (``OpCase.lists``): "uniform" = the per-token protocol (query i takes ``to
 window per query, ``topk_length`` given).
 
 Figures per call: ``ms`` (median), ``tflops`` (useful FLOPs 2 H sum(valid) (d_qk + 512) over the time),
-``floor_ms`` (of the path the call ran: per token max(useful FLOPs / 790 TFLOP/s, gathered bytes / 4.3 TB/s);
-grouped the same over the union rows at 128 pseudo-heads), ``max_row_err`` (max over sampled (token, head) rows
-of |out - ref| / |ref|), ``vs_flashmla`` (the baseline's time over this call's), with ``host=True`` ``host_us`` (CPU
+``floor_ms`` (of the path the call ran, ``common.floor_ms`` at the H200's peaks: per token the useful FLOPs against
+the bytes moved; grouped the same over the union rows at 128 pseudo-heads), ``max_row_err`` (``common.max_row_err``
+over sampled (token, head) rows), ``vs_flashmla`` (the baseline's time over this call's), with ``host=True`` ``host_us`` (CPU
 time per call of back-to-back calls, the GPU kept busy); the JSON's meta holds ``replay_status()``.
 """
 
 from __future__ import annotations
 
-import datetime
-import json
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -48,11 +45,10 @@ import torch
 
 from . import op_decode
 from .baselines import PAD_HEADS, flash_mla_fwd, flash_mla_takes
+from .common import REP_MS, SMS, floor_ms, max_row_err, run_meta, tflops, timing_note, write_json
 from .op_tables import CAPTION, COMPACT_COLUMNS, WIDE_COLUMNS, format_rows, markdown_rows, row_cells, tables  # noqa: F401
-from .timing import graph_figures, host_time_us  # host_time_us re-exported: benchmarks/host_profile.py
+from .timing import graph_figures, host_time_us
 
-MATMUL_TFLOPS = 790.0  # bf16 dense matmul measured on the H200 (docs/notes/measuring.md)
-COPY_TBPS = 4.3  # device copy measured on the H200
 CALLS = ("per_token", "grouped", "auto", "drop_in", "flashmla")
 CHECK_TOKENS = 96  # tokens sampled for the per-row check
 ROW_TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3}  # per (token, head) row: |out - ref| / |ref|
@@ -212,8 +208,8 @@ def _valid_rows(inp: dict) -> torch.Tensor:
 
 
 def floors(inp: dict, heads: int, d_qk: int, union_rows: int | None) -> dict:
-    """Floors (ms) of the per-token and the grouped path: max(the FLOPs each computes at MATMUL_TFLOPS, the bytes it
-    must move at COPY_TBPS: every distinct row it reads once, q, and out). Per token the FLOPs are the useful ones;
+    """Floors (ms, ``common.floor_ms``) of the per-token and the grouped path: the FLOPs each computes against the
+    bytes it must move (every distinct row it reads once, q, and out). Per token the FLOPs are the useful ones;
     grouped, 128 pseudo-heads over every union row. Also ``gather_no_reuse``: each query's rows gathered from HBM
     with no L2 reuse (informational: a 32K-row cache fits in the H200's L2, so kernels beat it)."""
     idx = inp["indices"]
@@ -221,11 +217,10 @@ def floors(inp: dict, heads: int, d_qk: int, union_rows: int | None) -> dict:
     valid = (idx >= 0) & (idx < inp["N"])
     distinct = int(torch.unique(idx[valid]).numel()) if valid.any() else 0
     T, H = inp["q"].shape[0], heads
-    io = (distinct * d_qk * (1 if inp.get("kv_fp8") is not None else 2) + T * H * (d_qk + 512) * 2) / COPY_TBPS / 1e9
-    out = {"per_token": max(useful_flops(inp, heads, d_qk) / MATMUL_TFLOPS / 1e9, io),
-           "gather_no_reuse": rows * d_qk * 2 / COPY_TBPS / 1e9}
+    io = distinct * d_qk * (1 if inp.get("kv_fp8") is not None else 2) + T * H * (d_qk + 512) * 2
+    out = {"per_token": floor_ms(useful_flops(inp, heads, d_qk), io), "gather_no_reuse": floor_ms(0, rows * d_qk * 2)}
     if union_rows is not None:
-        out["grouped"] = max(2.0 * 128 * union_rows * (d_qk + 512) / MATMUL_TFLOPS / 1e9, io)
+        out["grouped"] = floor_ms(2.0 * 128 * union_rows * (d_qk + 512), io)
     return out
 
 
@@ -324,23 +319,17 @@ def _fp8_calls(inp: dict, common: dict) -> dict:
 
 
 def check_rows(out: torch.Tensor, inp: dict, sample: torch.Tensor) -> float:
-    """max over the sampled tokens' (token, head) rows of |out - ref| / max(|ref|, tiny) against the fp32 reference."""
+    """``common.max_row_err`` of the sampled tokens' (token, head) rows against the fp32 reference."""
     from .. import sparse_mla_ref
 
     idx = inp["indices"][sample]
     tl = None if inp["topk_length"] is None else inp["topk_length"][sample]
     ref, _ = sparse_mla_ref(inp["q"][sample], inp["kv"], idx, inp["sm_scale"], topk_length=tl, attn_sink=inp["attn_sink"])
-    o = out[sample].float()
-    if not torch.isfinite(o).all():
-        return math.inf
-    num = (o - ref).norm(dim=-1)
-    den = ref.norm(dim=-1).clamp_min(1e-6)
-    ok_zero = (ref.norm(dim=-1) == 0) & (o.norm(dim=-1) == 0)
-    return float(torch.where(ok_zero, 0.0, num / den).max())
+    return max_row_err(out[sample], ref)
 
 
 def run_case(case: OpCase, *, calls: tuple[str, ...] = CALLS, trials: int = 1, host: bool = False,
-             device: str = "cuda", dtype: torch.dtype = torch.bfloat16, rep_ms: int = 50, graph: bool | None = None) -> dict:
+             device: str = "cuda", dtype: torch.dtype = torch.bfloat16, rep_ms: int = REP_MS, graph: bool | None = None) -> dict:
     """Inputs, check, timings of one case; returns its JSON row. ``graph`` (default: for a case with ``kv_splits``):
     on a GPU, each call also captured in a CUDA graph and replayed (``timing.graph_figures``: ``graph_ms``, the
     device time without the host path, ``graph_err`` / ``graph_ok`` of the replay's output)."""
@@ -370,7 +359,7 @@ def run_case(case: OpCase, *, calls: tuple[str, ...] = CALLS, trials: int = 1, h
             rec["ok"] = rec["max_row_err"] <= ROW_TOL[dtype]
             t = time_trials(fn, on_gpu=on_gpu, trials=trials, rep_ms=rep_ms)
             rec.update(ms=t["ms"], p20_ms=t["p20_ms"], p80_ms=t["p80_ms"], trials_ms=t["trials_ms"])
-            rec["tflops"] = flops / (t["ms"] * 1e-3) / 1e12
+            rec["tflops"] = tflops(flops, t["ms"])
             if host and on_gpu:
                 rec["host_us"] = host_time_us(fn)
             if (bool(case.kv_splits) if graph is None else graph) and on_gpu:
@@ -514,14 +503,9 @@ def replay_status() -> dict:
     return {f.__name__: call_cache.status(f) for f in (sparse_mla_fwd, flash_mla_sparse_fwd)}
 
 
-def provenance() -> dict:
-    from .report import git_revision, package_version
-
-    return {"kind": "op", "command": " ".join([sys.executable.split("/")[-1], *sys.argv]), "git_revision": git_revision(),
-            "sparse_mla_version": package_version(),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "torch": torch.__version__}
+def provenance(rep_ms: int = REP_MS, trials: int = 1) -> dict:
+    """The op JSON's meta (``common.run_meta``, kind "op"), its timing note of ``trials`` trials at ``rep_ms``."""
+    return run_meta("op", timing=timing_note(trials=trials, rep_ms=rep_ms, interpreted=not torch.cuda.is_available()))
 
 
 def run_any(case, *, calls: tuple[str, ...] = CALLS, **kw) -> dict:
@@ -545,6 +529,7 @@ def run_suites(cases: list, *, json_path: str | None = None, budget_s: float = 0
     and rewrite ``json_path`` (the op JSON: meta = ``provenance()`` + ``replay_status()``, rows) after every case.
     ``budget_s`` > 0: start no case after that many seconds."""
     rows, t0 = [], time.time()
+    meta = provenance(kw.get("rep_ms", REP_MS), kw.get("trials", 1))
     for i, case in enumerate(cases):
         if budget_s and time.time() - t0 > budget_s:
             echo(f"budget reached after {i} of {len(cases)} cases")
@@ -552,8 +537,7 @@ def run_suites(cases: list, *, json_path: str | None = None, budget_s: float = 0
         rows.append(run_any(case, **kw))
         echo(case_line(rows[-1]))
         if json_path:
-            with open(json_path, "w") as f:
-                json.dump({"meta": {**provenance(), "replay": replay_status()}, "rows": rows}, f, indent=1)
+            write_json(json_path, {**meta, "replay": replay_status()}, rows)
     return rows
 
 
@@ -565,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", default=",".join(CALLS), help="comma-separated calls to time (prefill-shaped cases; "
                     "the split<S> calls of a case with kv_splits and every decode call always run)")
     ap.add_argument("--trials", type=int, default=1)
-    ap.add_argument("--rep-ms", type=int, default=50)
+    ap.add_argument("--rep-ms", type=int, default=REP_MS)
     ap.add_argument("--host", action="store_true", help="also measure host time per call")
     ap.add_argument("--graph", action=argparse.BooleanOptionalAction, default=None,
                     help="also time each call as a CUDA-graph replay (default: decode cases and cases with kv_splits)")
@@ -573,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--fit", metavar="JSON", action="append", help="runs nothing: fit kv_splits.KV_SPLIT_MODEL on the "
                     "forced-split rows of op JSONs (few-token / decode suites; op_decode.kv_split_points; repeatable)")
-    ap.add_argument("--sms", type=int, default=132, help="with --fit: the SM count of the GPU measured (H200: 132)")
+    ap.add_argument("--sms", type=int, default=SMS, help=f"with --fit: the SM count of the GPU measured (H200: {SMS})")
     args = ap.parse_args(argv)
     if args.fit:
         print(op_decode.fit(args.fit, args.sms))

@@ -19,7 +19,7 @@ inputs (``decode_inputs``), and the calls (``decode_calls``):
 
 Each call's first run (this package's calls: into NaN-poisoned outputs) is checked against
 ``flash_mla_with_kvcache_ref`` on up to ``CHECK_REQUESTS`` sampled requests (``max_row_err``: max over their
-(token, head) rows of |out - ref| / |ref|; ``lse_err``: max |lse - ref|), then timed as the op bench times
+(token, head) rows, ``common.max_row_err``; ``lse_err``: max |lse - ref|), then timed as the op bench times
 (``sparse_mla.bench.timing``); ``vs_flashmla`` is the baseline's time over a call's. On a GPU each call is also
 captured in a CUDA graph and replayed, as engines run decode steps (``graph_ms``: the device time, without the host
 path that dominates a small call's ``ms``; the replay's output checked too: ``graph_err``, ``graph_ok``;
@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .baselines import PAD_HEADS, flash_mla_decode, flash_mla_decode_kind
+from .common import REP_MS, floor_ms, max_row_err, read_json, tflops
 from .timing import graph_figures, host_time_us, time_trials
 
 SPLITS = (1, 2, 4, 8, 16)  # the forced split counts timed beside the automatic one
@@ -43,7 +44,6 @@ CHECK_REQUESTS = 8  # requests sampled for the check
 ROW_TOL = {torch.bfloat16: 1e-2, torch.float16: 5e-3}  # per (request, token, head) row: |out - ref| / |ref|
 LSE_TOL = 2e-3  # max |lse - ref| (natural log; both fp32 sums of the same products)
 D_V = 512
-MATMUL_TFLOPS, COPY_TBPS = 790.0, 4.3  # as sparse_mla.bench.op (the H200's measured dense bf16 matmul and copy)
 API = "flash_mla_with_kvcache"  # every row's ``api`` (op_tables.DECODE_API)
 
 
@@ -196,17 +196,15 @@ def reference(case: DecodeCase, inp: dict, sample: torch.Tensor) -> tuple[torch.
 
 def check_decode(out: torch.Tensor, lse: torch.Tensor, ref: tuple[torch.Tensor, torch.Tensor],
                  sample: torch.Tensor) -> tuple[float, float]:
-    """(max row error |out - ref| / |ref| over the sampled requests' rows, max |lse - ref|; inf where non-finite
-    or where an infinite lse differs)."""
-    o, ro = out[sample].float(), ref[0]
-    if not torch.isfinite(o).all():
+    """(``common.max_row_err`` over the sampled requests' rows, max |lse - ref|; both inf where out is non-finite,
+    the lse's where an infinite lse differs)."""
+    row = max_row_err(out[sample], ref[0])
+    if row == math.inf:
         return math.inf, math.inf
-    num, den = (o - ro).norm(dim=-1), ro.norm(dim=-1)
-    row = torch.where((den == 0) & (num == 0), 0.0, num / den.clamp_min(1e-6))
     l, rl = lse[sample].float(), ref[1]
     d = torch.where(torch.isfinite(rl), (l - rl).abs(), torch.where(l == rl, 0.0, math.inf))
     d = torch.where(torch.isnan(d), math.inf, d)
-    return float(row.max()), float(d.max()) if d.numel() else 0.0
+    return row, float(d.max()) if d.numel() else 0.0
 
 
 def auto_splits(explain: str) -> tuple[int | None, str]:
@@ -245,14 +243,11 @@ def kv_split_points(rows: list[dict]) -> list[dict]:
 
 def fit(paths: list[str], sms: int) -> str:
     """``fit_kv_split_model`` on the ``kv_split_points`` of op JSONs, as a line of text."""
-    import json
-
     from ..mqa.kv_splits import fit_kv_split_model
 
     points = []
     for path in paths:
-        with open(path) as f:
-            points += kv_split_points(json.load(f)["rows"])
+        points += kv_split_points(read_json(path)[2])
     model, loss = fit_kv_split_model(points, sms)
     return (f"{len(points)} points of {', '.join(paths)} on {sms} SMs: {model} (mean time of its choice / the best "
             f"measured S: {loss:.3f})")
@@ -273,19 +268,19 @@ def _explain(case: DecodeCase, inp: dict) -> str:
 
 
 def _floor_ms(case: DecodeCase, inp: dict) -> tuple[float, float]:
-    """(useful FLOPs 2 h_q sum(valid) (d + 512), floor ms: max(those FLOPs at MATMUL_TFLOPS, the distinct rows' bytes
-    plus q and out at COPY_TBPS))."""
+    """(useful FLOPs 2 h_q sum(valid) (d + 512), floor ms: ``common.floor_ms`` of those FLOPs and the distinct rows'
+    bytes plus q and out)."""
     idx = inp["indices"]
     valid = idx >= 0
     flops = 2.0 * case.h_q * float(valid.sum()) * (case.d_qk + D_V)
     row_bytes = inp["k_cache"].shape[-1] * inp["k_cache"].element_size()
     distinct = int(torch.unique(idx[valid]).numel()) if valid.any() else 0
     io = distinct * row_bytes + inp["T"] * case.h_q * (case.d_qk + D_V) * inp["q"].element_size()
-    return flops, max(flops / MATMUL_TFLOPS / 1e9, io / COPY_TBPS / 1e9)
+    return flops, floor_ms(flops, io)
 
 
 def run_decode_case(case: DecodeCase, *, trials: int = 1, host: bool = False, device: str = "cuda",
-                    dtype: torch.dtype = torch.bfloat16, rep_ms: int = 50, graph: bool | None = None) -> dict:
+                    dtype: torch.dtype = torch.bfloat16, rep_ms: int = REP_MS, graph: bool | None = None) -> dict:
     """Inputs, checks, timings of one decode case; returns its JSON row (``case`` and ``calls`` as the op bench's,
     ``api`` = "flash_mla_with_kvcache"). On a GPU unless ``graph`` is False, each call is also captured in a CUDA graph and
     replayed, as engines run decode steps (``timing.graph_figures``: ``graph_ms``, the device time without the host
@@ -310,7 +305,7 @@ def run_decode_case(case: DecodeCase, *, trials: int = 1, host: bool = False, de
             rec["ok"] = rec["max_row_err"] <= ROW_TOL[dtype] and rec["lse_err"] <= LSE_TOL
             t = time_trials(fn, on_gpu=on_gpu, trials=trials, rep_ms=rep_ms)
             rec.update(ms=t["ms"], p20_ms=t["p20_ms"], p80_ms=t["p80_ms"], trials_ms=t["trials_ms"])
-            rec["tflops"] = flops / (t["ms"] * 1e-3) / 1e12
+            rec["tflops"] = tflops(flops, t["ms"])
             if host and on_gpu:
                 rec["host_us"] = host_time_us(fn)
             if graph is not False and on_gpu:

@@ -12,12 +12,13 @@ Up to three tables, each drawn only from the rows it concerns:
   the fastest forced S that passed its check (what ``sparse_mla.mqa.kv_splits.KV_SPLIT_MODEL`` is fitted on).
 
 Compact tables fit 80 columns (only the case name may fold); ``wide``: more columns. "!" after a failed check, ERR
-for a call that raised, "-" for one that did not run. Imports nothing at module level beyond the standard library.
+for a call that raised, "-" for one that did not run. Imports nothing at module level beyond the standard library and
+``common``.
 """
 
 from __future__ import annotations
 
-import math
+from .common import fmt, make_table, markdown_cells, render_text
 
 DECODE_API = "flash_mla_with_kvcache"  # the ``api`` of op_decode's rows
 PREFILL_CALLS = ("per_token", "grouped", "auto", "drop_in")  # the op table's call columns (then the baseline)
@@ -46,15 +47,11 @@ def _ms_cell(rec: dict | None) -> str:
         return "-"
     if "error" in rec:
         return "ERR"
-    return _num(rec.get("ms"), ".3g") + ("!" if rec.get("ok") is False else "")
-
-
-def _num(v: float | None, spec: str) -> str:
-    return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else format(v, spec)
+    return fmt(rec.get("ms"), ".3g") + ("!" if rec.get("ok") is False else "")
 
 
 def _speedup(v: float | None) -> str:
-    return "-" if v is None else _num(v, ".2f") + "x"
+    return "-" if v is None else fmt(v, ".2f") + "x"
 
 
 def _graph_cell(rec: dict | None) -> str:
@@ -64,7 +61,7 @@ def _graph_cell(rec: dict | None) -> str:
         return "-"
     if "graph_error" in rec:
         return "ERR"
-    return _num(rec.get("graph_ms"), ".3g") + ("!" if rec.get("graph_ok") is False else "")
+    return fmt(rec.get("graph_ms"), ".3g") + ("!" if rec.get("graph_ok") is False else "")
 
 
 def _failed(row: dict) -> bool:
@@ -75,7 +72,7 @@ def _failed(row: dict) -> bool:
 
 def _max_err(row: dict, key: str = "max_row_err") -> str:
     errs = [rec[key] for rec in row.get("calls", {}).values() if rec.get(key) is not None]
-    return (_num(max(errs), ".1e") if errs else "-") + ("!" if _failed(row) else "")
+    return (fmt(max(errs), ".1e") if errs else "-") + ("!" if _failed(row) else "")
 
 
 def _row_figures(row: dict) -> dict[str, str]:
@@ -86,8 +83,8 @@ def _row_figures(row: dict) -> dict[str, str]:
             **{name: _ms_cell(calls.get(name)) for name in PREFILL_CALLS},
             "base": _ms_cell(calls.get("flashmla")), "baseline": row.get("baseline", "-"),
             "auto vs": _speedup(calls.get("auto", {}).get("vs_flashmla")),
-            "floor pt": _num(floors_ms.get("per_token"), ".3g"), "floor grp": _num(floors_ms.get("grouped"), ".3g"),
-            "max err": _max_err(row), "auto host us": _num(calls.get("auto", {}).get("host_us"), ".0f"),
+            "floor pt": fmt(floors_ms.get("per_token"), ".3g"), "floor grp": fmt(floors_ms.get("grouped"), ".3g"),
+            "max err": _max_err(row), "auto host us": fmt(calls.get("auto", {}).get("host_us"), ".0f"),
             "auto graph": _graph_cell(calls.get("auto"))}
 
 
@@ -149,8 +146,8 @@ def decode_cells(rows: list[dict], wide: bool = False) -> tuple[list[str], list[
                "S": str(r.get("kv_splits_auto", "-")), "best split": _best_split_cell(r),
                "base": _ms_cell(calls.get("flashmla")), "base gr": _graph_cell(calls.get("flashmla")),
                "baseline": str(r.get("baseline", "-")), "vs base": _speedup(vs if not wide else drop.get("vs_flashmla")),
-               "gr vs base": _speedup(drop.get("graph_vs_flashmla")), "floor": _num(r.get("floor_ms"), ".3g"),
-               "max err": _max_err(r), "lse err": _max_err(r, "lse_err"), "host us": _num(drop.get("host_us"), ".0f")}
+               "gr vs base": _speedup(drop.get("graph_vs_flashmla")), "floor": fmt(r.get("floor_ms"), ".3g"),
+               "max err": _max_err(r), "lse err": _max_err(r, "lse_err"), "host us": fmt(drop.get("host_us"), ".0f")}
         cells.append([fig[h] for h in head])
     return head, cells
 
@@ -169,8 +166,6 @@ SPLITS_CAPTION = ("ms of the CUDA-graph replay on a GPU (device time; per call e
 def tables(rows: list[dict], wide: bool = False, interpreted: bool = False) -> list:
     """The rich tables of ``row_cells`` / ``decode_cells`` / ``split_cells`` (each where a row has its calls), then
     the errors of the calls that raised."""
-    from .report import make_table
-
     note = " [INTERPRETER: timings not meaningful]" if interpreted else ""
     more = "" if wide else "; --wide: more"
     out: list = []
@@ -195,15 +190,11 @@ def tables(rows: list[dict], wide: bool = False, interpreted: bool = False) -> l
 
 def format_rows(rows: list[dict], wide: bool = False, width: int | None = None, interpreted: bool = False) -> str:
     """``tables`` as text, ``width`` columns wide (default 80; ``wide``: as wide as the table needs)."""
-    from .report import render_text
-
     return render_text(*tables(rows, wide, interpreted), width=width, wide=wide)
 
 
 def markdown_rows(rows: list[dict]) -> str:
     """The wide tables (op, decode, kv splits: each where a row has its calls) as markdown tables."""
-    from .report import markdown_cells
-
     parts = []
     if any(not is_decode(r) for r in rows):
         parts.append(markdown_cells(*row_cells(rows, wide=True)))

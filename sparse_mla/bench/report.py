@@ -1,23 +1,20 @@
-"""Report of ``sparse-mla bench``: JSON with provenance, terminal table (rich; compact to fit 80 columns, or
-``wide``), README markdown table, PNG plot (matplotlib); and the table helpers the other bench modules use
-(``make_table``, ``print_tables``, ``render_text``, ``markdown_cells``). rich and matplotlib (the ``bench`` extra)
-are imported inside the functions.
+"""Report of ``sparse-mla bench``: its JSON's meta, terminal table (rich, through ``sparse_mla.bench.common``'s
+renderer; compact to fit 80 columns, or ``wide``), README markdown table, PNG plot (matplotlib). rich and matplotlib
+(the ``bench`` extra) are imported inside the functions.
 
-JSON: {"meta": ``provenance`` (kind "layer") + run settings + ``FIELD_NOTES``, "results": [row, ...]}, one row per
-scenario as ``runner.run_scenario`` returns it (keys described in ``FIELD_NOTES``). ``sparse_mla.bench.kinds``
-renders it, and the JSON of every other bench, for ``sparse-mla report``.
+JSON (``common.write_json``): {"meta": ``provenance`` (kind "layer") + run settings + ``FIELD_NOTES``, "rows": [row,
+...]}, one row per scenario as ``runner.run_scenario`` returns it (keys described in ``FIELD_NOTES``).
+``sparse_mla.bench.kinds`` renders it, and the JSON of every other bench, for ``sparse-mla report``.
 """
 
 from __future__ import annotations
 
-import datetime
-import json
 import math
 import os
-import subprocess
 import sys
 
 from .baselines import DEQUANT_NAME, PAD64_NAME, PATH_COLUMNS
+from .common import load, make_table, markdown_cells, print_tables, rows_fit, run_meta, timing_note
 
 SHORT = {"dense_mha": "dense", "masked_mha": "masked", "mqa_grouped": "grouped", "mqa_per_token": "per_tok",
          "mqa_per_token_pad64": "pad64", DEQUANT_NAME: "deq+bf16"}
@@ -63,63 +60,13 @@ def path_columns(rows: list[dict]) -> tuple[str, ...]:
     return (*PATH_COLUMNS, *extra)
 
 
-def git_revision(package_dir: str | os.PathLike | None = None) -> str:
-    """The revision of the sparse_mla source that runs: $GIT_REV when set (the GPU box gets a copy of the tree
-    without .git), else the HEAD commit of the git work tree holding ``package_dir`` (default: the directory of
-    the imported ``sparse_mla`` package) if that tree tracks the package (its ``__init__.py``), else "unknown"
-    (an installed copy, an untracked source copy inside another repository, no git). Never the repository
-    around the working directory."""
-    if os.environ.get("GIT_REV"):
-        return os.environ["GIT_REV"]
-    if package_dir is None:
-        import sparse_mla
-
-        package_dir = os.path.dirname(os.path.abspath(sparse_mla.__file__))
-
-    def git(*args: str) -> str:
-        return subprocess.check_output(["git", *args], text=True, stderr=subprocess.DEVNULL, cwd=package_dir).strip()
-
-    try:
-        git("ls-files", "--error-unmatch", "--", "__init__.py")  # fails outside a work tree or when untracked
-        return git("rev-parse", "HEAD")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def package_version() -> str:
-    """``sparse_mla.__version__`` of the imported package (recorded beside ``git_revision``)."""
-    import sparse_mla
-
-    return sparse_mla.__version__
-
-
 def provenance(interpreted: bool, trials: int, kind: str = "layer") -> dict:
-    """The JSON's meta: its ``kind`` (``sparse_mla.bench.kinds``: what ``sparse-mla report`` renders), command, git
-    revision and version of the package (``git_revision``, ``package_version``), GPU, date, versions and the timing
-    method."""
-    rev = git_revision()
-    import torch
-    import triton
-
-    from .timing import QUANTILES, REP_MS, WARMUP_MS
-
-    return {
-        "kind": kind,
-        "command": " ".join(["sparse-mla", *sys.argv[1:]]),
-        "git_revision": rev,
-        "sparse_mla_version": package_version(),
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU, Triton interpreter)",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "timings_meaningful": not interpreted,
-        "trials": trials,
-        "timing": f"{trials} trial(s) of triton.testing.do_bench(warmup={WARMUP_MS} ms, rep={REP_MS} ms): CUDA events, "
-                  f"L2 flushed between runs, quantiles {list(QUANTILES)} per trial; ms = median of the trial medians, p20_ms / "
-                  "p80_ms = median of the trial quantiles, min_ms / max_ms = spread of the trial medians"
-        if not interpreted else "one wall-clock run under TRITON_INTERPRET=1: not a performance number",
-        "fields": FIELD_NOTES,
-    }
+    """The JSON's meta (``common.run_meta``): its ``kind`` (``sparse_mla.bench.kinds``: what ``sparse-mla report``
+    renders), the ``sparse-mla`` command, revision, GPU, date, versions, the timing method (``common.timing_note``),
+    ``timings_meaningful``, ``trials`` and ``FIELD_NOTES``."""
+    return run_meta(kind, command=" ".join(["sparse-mla", *sys.argv[1:]]),
+                    timing=timing_note(trials=trials, interpreted=interpreted), timings_meaningful=not interpreted,
+                    trials=trials, fields=FIELD_NOTES)
 
 
 def _ms(v: float | None) -> str:
@@ -148,55 +95,6 @@ def _path_ms(r: dict, name: str) -> str:
     if "error" in rec:
         return "ERR"
     return _ms(rec.get("ms")) + ("!" if rec.get("check_ok") is False else "")
-
-
-def make_table(title: str | None, head: list[str], cells: list[list[str]], *, caption: str | None = None,
-               left: tuple[int, ...] = (0,), failed: list[bool] | None = None):
-    """A rich table of the CLI, one space between columns: the columns ``left`` left-justified (names), the others
-    right-justified (numbers); only the first column may fold (when the table is wider than the console), no cell
-    is ever cut; rows with ``failed[i]`` in red."""
-    from rich import box
-    from rich.table import Table
-
-    table = Table(title=title, caption=caption, box=box.SIMPLE_HEAD, padding=(0, 0), title_justify="left",
-                  caption_justify="left")
-    for i, name in enumerate(head):
-        table.add_column(name, justify="left" if i in left else "right", no_wrap=i > 0, overflow="fold")
-    for i, row in enumerate(cells):
-        table.add_row(*row, style="red" if failed and failed[i] else None)
-    return table
-
-
-def print_tables(*renderables, width: int | None = None, wide: bool = False, file=None) -> None:
-    """Print tables (and text) on a console ``width`` columns wide, by default the terminal's (off a terminal:
-    $COLUMNS, else 80). ``wide``: at least as wide as the widest table, so that nothing is cut (a terminal
-    narrower than that wraps the lines instead). ``file``: where to (default: stdout)."""
-    from rich.console import Console
-
-    console = Console(width=width, markup=False, file=file)
-    if wide and renderables:
-        need = max(console.measure(r, options=console.options.update_width(10**4)).maximum for r in renderables)
-        console = Console(width=max(console.width, need), markup=False, file=file)
-    for i, r in enumerate(renderables):
-        if i:
-            console.print()
-        console.print(r)
-
-
-def render_text(*renderables, width: int | None = None, wide: bool = False) -> str:
-    """What ``print_tables`` prints, as plain text (no colour), ``width`` columns wide (default 80)."""
-    import io
-
-    buf = io.StringIO()
-    print_tables(*renderables, width=width or 80, wide=wide, file=buf)
-    return buf.getvalue()
-
-
-def markdown_cells(head: list[str], cells: list[list[str]]) -> str:
-    """A markdown table of ``head`` and ``cells`` (the format of ``markdown_table``)."""
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(row) + " |" for row in cells]
-    return "\n".join(lines)
 
 
 TABLE_CAPTION = {
@@ -259,23 +157,16 @@ def markdown_table(rows: list[dict]) -> str:
     return markdown_cells(head, cells)
 
 
-def write_json(path: str, meta: dict, rows: list[dict], **extra: object) -> None:
-    """Write {"meta": meta, "results": rows, **extra} to ``path`` (parent folders created)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "results": rows, **extra}, f, indent=1)
-
-
 def bench_rows(doc: object, path: str) -> tuple[dict, list[dict]]:
     """(meta, rows) of a loaded single-GPU ``sparse-mla bench`` JSON.
 
     Raises:
         ValueError: not the layer bench's layout (``path`` names the file in the message).
     """
-    rows = doc.get("results") if isinstance(doc, dict) else None
-    if not isinstance(rows, list) or not all(isinstance(r, dict) and "paths" in r and "chosen_path" in r for r in rows):
-        raise ValueError(f"{path}: not a `sparse-mla bench` JSON (expected results[] rows with 'paths' and 'chosen_path')")
-    return doc.get("meta", {}), rows
+    _, meta, rows = load(doc, path)
+    if not rows_fit(rows, "layer"):
+        raise ValueError(f"{path}: not a `sparse-mla bench` JSON (expected rows[] with 'paths' and 'chosen_path')")
+    return meta, rows
 
 
 def plot(path: str, rows: list[dict], interpreted: bool) -> dict:
@@ -357,6 +248,5 @@ def plot(path: str, rows: list[dict], interpreted: bool) -> dict:
     return {"title": title, "panels": drawn}
 
 
-__all__ = ["git_revision", "provenance", "print_table", "table_cells", "bench_table", "markdown_table", "make_table",
-           "print_tables", "render_text", "markdown_cells", "write_json", "bench_rows", "plot", "FIELD_NOTES", "SHORT",
-           "path_columns"]
+__all__ = ["provenance", "print_table", "table_cells", "bench_table", "markdown_table", "bench_rows", "plot", "FIELD_NOTES",
+           "SHORT", "path_columns"]

@@ -24,8 +24,8 @@ kernel at H heads) joins the paths. Without the flag, rows and paths are as befo
 
 Useful work (TFLOP/s): ``sparse_mla.layer.dispatch.sparse_work`` = 2 H (kv_lora + qk_rope +
 kv_lora) sum over queries of min(topk, window), the same for every path, so a higher figure is a
-faster path. ``floor_ms``: that work at 790 TFLOP/s or the per-token gather of those latent rows
-(kv_lora + qk_rope columns of the cache dtype) at 4.3 TB/s, whichever is longer (H200 peaks).
+faster path. ``floor_ms``: that work or the per-token gather of those latent rows (kv_lora + qk_rope columns of the
+cache dtype), whichever is longer at the H200's peaks (``common.floor_ms``).
 """
 
 from __future__ import annotations
@@ -52,23 +52,23 @@ from .baselines import (
     pad64_supports,
 )
 from .check import CHECK_TOLERANCE, check_tolerance, chunk_bounds, max_rel_err, reference_chunks
+from .common import floor_ms as roofline_ms
+from .common import tflops
 from .inputs import layer_step, make_inputs, trace_inputs
 from .scenarios import Scenario
 from .timing import time_trials
 from .union_stats import union_stats
 
 CHECK_TOL = CHECK_TOLERANCE[torch.bfloat16]  # the bf16 figure; run_scenario's default is the dtype's (check.CHECK_TOLERANCE)
-PEAK_FLOPS = 790e12  # H200 dense bf16 tensor-core FLOP/s
-PEAK_BYTES = 4.3e12  # H200 HBM bytes/s (sustained)
 
 
 def floor_ms(step, elem_bytes: int, row_bytes: int | None = None) -> float:
-    """Roofline of the per-token sparse path in ms: max(sparse_work / PEAK_FLOPS, gathered latent
-    bytes / PEAK_BYTES), gathered bytes = sum(min(topk, window)) * (kv_lora + qk_rope) * elem_bytes, or
-    ``row_bytes`` per gathered row when given (an FP8 cache: 656)."""
+    """Roofline of the per-token sparse path in ms (``common.floor_ms``): sparse_work against the gathered latent
+    bytes = sum(min(topk, window)) * (kv_lora + qk_rope) * elem_bytes, or ``row_bytes`` per gathered row when given
+    (an FP8 cache: 656)."""
     keys = sum(causal_sums(c, n, step.topk) for c, n in zip(step.cached_lens, step.new_lens))
     per_row = row_bytes if row_bytes is not None else step.latent_d_qk * elem_bytes
-    return max(sparse_work(step) / PEAK_FLOPS, keys * per_row / PEAK_BYTES) * 1e3
+    return roofline_ms(sparse_work(step), keys * per_row)
 
 
 def _measure(fn: Callable[[], object], support: tuple[bool, str], out: torch.Tensor, refs: list, *, useful: int,
@@ -89,7 +89,7 @@ def _measure(fn: Callable[[], object], support: tuple[bool, str], out: torch.Ten
         if refs_bf16 is not None:
             rec["rel_err_vs_bf16_cache"] = max_rel_err(out, refs_bf16)
         rec.update(time_trials(fn, on_gpu=on_gpu, trials=trials))
-        rec["tflops"] = useful / (rec["ms"] * 1e-3) / 1e12
+        rec["tflops"] = tflops(useful, rec["ms"])
     except (RuntimeError, OutOfResources, CompilationError) as e:
         # torch.OutOfMemoryError (a RuntimeError) and Triton's resource / compile errors (a config that does
         # not fit this GPU): recorded so that one path does not end the run; programming errors propagate
@@ -191,7 +191,7 @@ def run_scenario(sc: Scenario, *, dtype: torch.dtype, device: torch.device, over
     if kv_format is not None:
         e16 = [rec["rel_err_vs_bf16_cache"] for rec in paths.values() if "rel_err_vs_bf16_cache" in rec]
         fp8_fields = {"kv_format": kv_format,
-                      "max_rel_err_vs_bf16_cache": max(e16) if e16 and all(e == e for e in e16) else float("nan")}
+                      "max_rel_err_vs_bf16_cache": max(e16, default=float("nan"))}
     return {
         "scenario": sc.name, "model": m.name, "tp": sc.tp, "heads": H,
         "dims": {"kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
@@ -208,7 +208,7 @@ def run_scenario(sc: Scenario, *, dtype: torch.dtype, device: torch.device, over
         "chosen_speedup_vs_pad64": chosen.get("speedup_vs_pad64"),
         "pad64_baseline": pad64_baseline_kind(device, kv_format, topk=step.topk, dtype=dtype),
         "best_path": best_path(paths),
-        "max_rel_err": max(errs) if errs and all(e == e for e in errs) else float("nan"),
+        "max_rel_err": max(errs, default=float("nan")),
         "check_tol": tol,
         **fp8_fields,
         "failures": failures,
@@ -216,4 +216,4 @@ def run_scenario(sc: Scenario, *, dtype: torch.dtype, device: torch.device, over
     }
 
 
-__all__ = ["run_scenario", "best_path", "floor_ms", "CHECK_TOL", "PEAK_FLOPS", "PEAK_BYTES"]
+__all__ = ["run_scenario", "best_path", "floor_ms", "CHECK_TOL"]

@@ -32,9 +32,7 @@ NVLink multicast stays off: NCCL_NVLS_ENABLE=0 is set before NCCL starts.
 from __future__ import annotations
 
 import functools
-import math
 import os
-import shlex
 import statistics
 import sys
 from collections.abc import Callable
@@ -48,6 +46,7 @@ from ..workloads.models import MLAConfig, get_model
 from ..workloads.stats import union_ratio
 from ..workloads.topk import resolve_overlap
 from .check import CHECK_TOLERANCE, check_tolerance
+from .common import command_line, fmt, make_table, markdown_cells, print_tables, rel_err_tensor, run_meta, tflops
 
 VARIANTS = ("tp/per_token", "tp/grouped", "shardq/per_token", "shardq/grouped")
 WARMUP_GPU = 2  # untimed iterations per variant on a GPU (Triton compilation, autotuning)
@@ -213,18 +212,6 @@ def _cross_rank_medians(all_ranks: list[list[dict]]) -> dict:
     }
 
 
-def _rel_err(x: torch.Tensor, ref: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
-    """||x - ref|| / ||ref|| (Frobenius) as a 0-dim fp64 tensor on x's device, over row chunks so
-    that no full-size fp32 copy of a [T, H, d_v] output is made."""
-    num = torch.zeros((), dtype=torch.float64, device=x.device)
-    den = torch.zeros((), dtype=torch.float64, device=x.device)
-    for s in range(0, x.shape[0], chunk):
-        r = ref[s:s + chunk].float()
-        num += (x[s:s + chunk].float() - r).square().sum(dtype=torch.float64)
-        den += r.square().sum(dtype=torch.float64)
-    return (num / den.clamp_min(1e-300)).sqrt()
-
-
 def _union_tail(indices: torch.Tensor, valid: torch.Tensor, G: int) -> float:
     """Union ratio of groups of G among the last UNION_TAIL_ROWS rows (1.0 for G = 1)."""
     if G < 2:
@@ -313,13 +300,13 @@ def _bench_point(cfg: MLAConfig, T: int, *, topk: int, overlap: str, trials: int
         row = dict(model=cfg.name, tp=W, heads=H, heads_per_rank=Hl, d_qk=D, d_v=d_v, tokens=T, topk=K,
                    overlap=overlap, variant=name, path=name.split("/")[0], method=name.split("/")[1], group_size=G,
                    trials=trials, warmup=warmup, interpreted=not on_gpu, **_cross_rank_medians(gathered))
-        row["tflops"] = flops / (row["total_ms"] * 1e-3) / 1e12 if row["total_ms"] > 0 else float("nan")
+        row["tflops"] = tflops(flops, row["total_ms"])
         row["useful_tflop"] = flops / 1e12
         row["union_g"] = _union_tail(indices, valid, G)
         if check:
             if baseline is None:  # tp/per_token runs first
                 baseline = out.clone()
-            stats = torch.stack([_rel_err(out, baseline), _rel_err(out[sample], ref),
+            stats = torch.stack([rel_err_tensor(out, baseline), rel_err_tensor(out[sample], ref),
                                  torch.isnan(out).any().double()])
             dist.all_reduce(stats, op=dist.ReduceOp.MAX)
             err_tp, err_ref, nan = stats.tolist()
@@ -387,8 +374,8 @@ def run_shardq_bench(
     Returns:
         On rank 0 ``{"meta": provenance (command, argv, git revision: env GIT_REV first, GPU,
         date, torch / triton versions, world_size, backend, dtype, nccl_nvls_enable, topk source,
-        flops formula, arguments), "results": one row per (model, T, variant) with times in ms,
-        ``tflops`` in TFLOP/s, ``union_g``, errors, "summary": ``shardq_summary(results)``}``;
+        flops formula, arguments), "rows": one row per (model, T, variant) with times in ms,
+        ``tflops`` in TFLOP/s, ``union_g``, errors, "summary": ``shardq_summary(rows)``}`` (``common.write_json`` writes it);
         None on the other ranks.
 
     Raises:
@@ -411,41 +398,26 @@ def run_shardq_bench(
     dist.barrier()
     if rank != 0:
         return None
-    from .report import provenance
-
-    meta = provenance(interpreted=device.type != "cuda", trials=trials, kind="shardq")
-    meta.update(
-        command=_command(),
-        argv=list(sys.argv),
-        gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "none (CPU, Triton interpreter)",
-        world_size=W,
-        backend=str(dist.get_backend()),
-        dtype=str(dtype),
-        nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"),
-        topk_source=f"sparse_mla.workloads.synthetic_topk(cached=0, new=T, topk={topk}, overlap={overlap!r}, seed={seed})",
-        flops_formula=FLOPS_FORMULA,
-        fields=FIELD_NOTES,
-        timing=(f"per iteration: 256 MiB L2 flush, barrier, CUDA events inside the call; {WARMUP_GPU} warm-up + "
-                f"{trials} timed iterations, median; total/attn max over ranks, xchg_out min over ranks"
-                if device.type == "cuda" else "host clock under TRITON_INTERPRET=1: not a performance number"),
-        models=[[c.name, W] for c in configs], tokens=list(tokens), topk=topk, overlap=overlap, trials=trials,
-        warmup=warmup, seed=seed, check=check, check_limit=check_tolerance(dtype), min_tokens=min_tokens,
-    )
-    return {"meta": meta, "results": rows, "summary": shardq_summary(rows)}
+    meta = rank_meta("shardq", device, dtype, trials,
+                     topk_source=f"sparse_mla.workloads.synthetic_topk(cached=0, new=T, topk={topk}, overlap={overlap!r}, "
+                                 f"seed={seed})",
+                     flops_formula=FLOPS_FORMULA, fields=FIELD_NOTES, models=[[c.name, W] for c in configs],
+                     tokens=list(tokens), topk=topk, overlap=overlap, warmup=warmup, seed=seed, check=check,
+                     check_limit=check_tolerance(dtype), min_tokens=min_tokens)
+    return {"meta": meta, "rows": rows, "summary": shardq_summary(rows)}
 
 
-def _command() -> str:
-    """The command line of this job as launched (torchrun's, when torchrun started it)."""
-    args = sys.argv[1:]
-    prog = ["-m", "sparse_mla"] if sys.argv[0].endswith(os.path.join("sparse_mla", "__main__.py")) else sys.argv[:1]
-    launcher = ["python"]
-    if "LOCAL_WORLD_SIZE" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:
-        launcher = ["torchrun", f"--nproc-per-node={os.environ['LOCAL_WORLD_SIZE']}"]
-    return shlex.join([*launcher, *prog, *args])
-
-
-def _fmt(v: float | None, spec: str) -> str:
-    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+def rank_meta(kind: str, device: torch.device, dtype: torch.dtype, trials: int, **extra: object) -> dict:
+    """The ``meta`` of a torchrun bench (``common.run_meta``): the launch command, the GPU, the timing method of
+    ``_timed_iterations``, ``timings_meaningful``, ``trials``, argv, world size, process-group backend, dtype,
+    NCCL_NVLS_ENABLE, then ``extra``."""
+    on_gpu = device.type == "cuda"
+    timing = (f"per iteration: 256 MiB L2 flush, barrier, CUDA events inside the call; {WARMUP_GPU} warm-up + "
+              f"{trials} timed iterations, median; total/attn max over ranks, xchg_out min over ranks"
+              if on_gpu else "host clock under TRITON_INTERPRET=1: not a performance number")
+    return run_meta(kind, command=command_line(), timing=timing, device=device, timings_meaningful=on_gpu, trials=trials,
+                    argv=list(sys.argv), world_size=dist.get_world_size(), backend=str(dist.get_backend()),
+                    dtype=str(dtype), nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), **extra)
 
 
 def shardq_cells(results: list[dict], wide: bool = False) -> tuple[list[str], list[list[str]]]:
@@ -457,16 +429,16 @@ def shardq_cells(results: list[dict], wide: bool = False) -> tuple[list[str], li
 
     if not wide:
         head = ["model", "W", "T", "variant", "total", "attn", "xchg", "err vs ref"]
-        cells = [[r["model"], str(r["tp"]), str(r["tokens"]), r["variant"], _fmt(r["total_ms"], ".3f"),
-                  _fmt(r["attn_ms"], ".3f"), _fmt(r["xchg_q_ms"] + r["xchg_out_ms"], ".3f"),
-                  _fmt(r.get("err_vs_ref"), ".1e") + fail(r)] for r in results]
+        cells = [[r["model"], str(r["tp"]), str(r["tokens"]), r["variant"], fmt(r["total_ms"], ".3f"),
+                  fmt(r["attn_ms"], ".3f"), fmt(r["xchg_q_ms"] + r["xchg_out_ms"], ".3f"),
+                  fmt(r.get("err_vs_ref"), ".1e") + fail(r)] for r in results]
         return head, cells
     head = ["model", "W", "T", "variant", "G", "total ms", "attn ms", "imbal", "xchg q ms", "xchg out ms", "TFLOP/s",
             "union_g", "err vs tp", "err vs ref"]
-    cells = [[r["model"], str(r["tp"]), str(r["tokens"]), r["variant"], str(r["group_size"]), _fmt(r["total_ms"], ".3f"),
-              _fmt(r["attn_ms"], ".3f"), _fmt(r["attn_imbalance"], ".2f"), _fmt(r["xchg_q_ms"], ".3f"),
-              _fmt(r["xchg_out_ms"], ".3f"), _fmt(r["tflops"], ".1f"), _fmt(r["union_g"], ".2f"),
-              _fmt(r.get("err_vs_tp"), ".1e"), _fmt(r.get("err_vs_ref"), ".1e") + fail(r)] for r in results]
+    cells = [[r["model"], str(r["tp"]), str(r["tokens"]), r["variant"], str(r["group_size"]), fmt(r["total_ms"], ".3f"),
+              fmt(r["attn_ms"], ".3f"), fmt(r["attn_imbalance"], ".2f"), fmt(r["xchg_q_ms"], ".3f"),
+              fmt(r["xchg_out_ms"], ".3f"), fmt(r["tflops"], ".1f"), fmt(r["union_g"], ".2f"),
+              fmt(r.get("err_vs_tp"), ".1e"), fmt(r.get("err_vs_ref"), ".1e") + fail(r)] for r in results]
     return head, cells
 
 
@@ -474,8 +446,8 @@ def summary_cells(results: list[dict]) -> tuple[list[str], list[list[str]]]:
     """(head, cells) of ``shardq_summary``: per (model, W, T) the best TP and ShardQ variants, their total ms and
     the speedup (fits 80 columns)."""
     head = ["model", "W", "T", "best TP", "ms", "best ShardQ", "ms ", "speedup"]
-    cells = [[s["model"], str(s["tp"]), str(s["tokens"]), s["tp_best_variant"], _fmt(s["tp_best_ms"], ".3f"),
-              s["shardq_best_variant"], _fmt(s["shardq_best_ms"], ".3f"), _fmt(s["speedup"], ".2f") + "x"]
+    cells = [[s["model"], str(s["tp"]), str(s["tokens"]), s["tp_best_variant"], fmt(s["tp_best_ms"], ".3f"),
+              s["shardq_best_variant"], fmt(s["shardq_best_ms"], ".3f"), fmt(s["speedup"], ".2f") + "x"]
              for s in shardq_summary(results)]
     return head, cells
 
@@ -487,10 +459,10 @@ def cost_model_cells(modelled: list[dict], wide: bool = False) -> tuple[list[str
     head = ["model", "W", "T", "variant", *xchg, "total ms", "model ", "err ", "speedup", "model  "]
     cells = []
     for m in modelled:
-        x = [_fmt(m["measured_xchg_ms"], ".2f"), _fmt(m["model_xchg_ms"], ".2f"), f"{m['xchg_err']:+.1%}"] if wide else []
-        cells.append([m["model"], str(m["tp"]), str(m["tokens"]), m["variant"], *x, _fmt(m["measured_total_ms"], ".2f"),
-                      _fmt(m["model_total_ms"], ".2f"), f"{m['total_err']:+.1%}", _fmt(m["measured_speedup"], ".2f"),
-                      _fmt(m["model_speedup"], ".2f")])
+        x = [fmt(m["measured_xchg_ms"], ".2f"), fmt(m["model_xchg_ms"], ".2f"), f"{m['xchg_err']:+.1%}"] if wide else []
+        cells.append([m["model"], str(m["tp"]), str(m["tokens"]), m["variant"], *x, fmt(m["measured_total_ms"], ".2f"),
+                      fmt(m["model_total_ms"], ".2f"), f"{m['total_err']:+.1%}", fmt(m["measured_speedup"], ".2f"),
+                      fmt(m["model_speedup"], ".2f")])
     return head, cells
 
 
@@ -498,7 +470,6 @@ def shardq_tables(results: list[dict], wide: bool = False) -> list:
     """The rich tables of a ``run_shardq_bench`` run: its rows (``shardq_cells``), the ShardQ-over-TP speedups
     (``summary_cells``) and, for a GPU run, the cost model beside the measurement (``cost_model_cells``)."""
     from ..distributed.cost_model import model_vs_measured
-    from .report import make_table
 
     interpreted = any(r.get("interpreted") for r in results)
     note = " [INTERPRETER: timings not meaningful]" if interpreted else ""
@@ -521,16 +492,12 @@ def shardq_tables(results: list[dict], wide: bool = False) -> list:
 
 def print_shardq_table(results: list[dict], width: int | None = None, wide: bool = False) -> None:
     """Print the tables of ``shardq_tables`` (compact: each fits 80 columns; ``wide``: every figure) on a console
-    ``width`` columns wide (``report.print_tables``: by default the terminal's)."""
-    from .report import print_tables
-
+    ``width`` columns wide (``common.print_tables``: by default the terminal's)."""
     print_tables(*shardq_tables(results, wide), width=width, wide=wide)
 
 
 def markdown_shardq(results: list[dict]) -> str:
     """The wide table of ``shardq_cells`` and the summary as markdown tables."""
-    from .report import markdown_cells
-
     return "\n\n".join(markdown_cells(*cells) for cells in (shardq_cells(results, wide=True), summary_cells(results)))
 
 

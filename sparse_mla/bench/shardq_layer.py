@@ -21,10 +21,8 @@ the row's o vs the tp row's o (max over ranks); ``err_vs_ref``: vs the fp32 laye
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import sys
 from typing import Any
 
 import torch
@@ -32,7 +30,16 @@ import torch.distributed as dist
 
 from ..workloads.models import get_model
 from .check import check_tolerance
-from .shardq import CHECK_ROWS, WARMUP_GPU, _check_args, _flush_and_barrier, _rel_err, _start_distributed, _timed_iterations
+from .common import fmt, make_table, rel_err_tensor, render_text, write_json
+from .shardq import (
+    CHECK_ROWS,
+    WARMUP_GPU,
+    _check_args,
+    _flush_and_barrier,
+    _start_distributed,
+    _timed_iterations,
+    rank_meta,
+)
 
 DEFAULT_CHUNKS = (1, 2, 4)
 
@@ -116,7 +123,7 @@ def _bench_point(cfg, T, *, topk, overlap, trials, warmup, seed, chunks, check, 
         if check:
             if tp_out is None:
                 tp_out = o.clone()
-            stats = torch.stack([_rel_err(o, tp_out), _rel_err(o[sample], ref), torch.isnan(o).any().double()])
+            stats = torch.stack([rel_err_tensor(o, tp_out), rel_err_tensor(o[sample], ref), torch.isnan(o).any().double()])
             dist.all_reduce(stats, op=dist.ReduceOp.MAX)
             e_tp, e_ref, nan = stats.tolist()
             tol = check_tolerance(dtype)
@@ -133,7 +140,7 @@ def run_shardq_layer_bench(models: list[tuple[str, int]], tokens: list[int], *, 
                            chunks: tuple[int, ...] = DEFAULT_CHUNKS, check: bool = True) -> dict | None:
     """Time the layer-level ShardQ variants against TP on every rank of a torchrun job (module
     docstring). A collective: every rank calls it with the same arguments. Returns ``{"meta",
-    "results"}`` on rank 0, None elsewhere.
+    "rows"}`` on rank 0, None elsewhere.
 
     Raises:
         ValueError: as ``run_shardq_bench``'s argument checks, or a chunks entry < 1.
@@ -160,17 +167,11 @@ def run_shardq_layer_bench(models: list[tuple[str, int]], tokens: list[int], *, 
     dist.barrier()
     if dist.get_rank() != 0:
         return None
-    from .report import provenance
-
-    meta = provenance(interpreted=device.type != "cuda", trials=trials, kind="shardq_layer")
-    meta.update(argv=list(sys.argv), world_size=dist.get_world_size(), backend=str(dist.get_backend()),
-                dtype=str(dtype), nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"),
-                gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else "none (CPU, Triton interpreter)",
-                models=[[c.name, dist.get_world_size()] for c in configs], tokens=list(tokens), topk=topk,
-                overlap=overlap, chunks=list(chunks), seed=seed, check=check,
-                cost_model_link=None if link is None else dict(name=link.name, bandwidth_gbs=link.bandwidth_gbs,
-                                                                  latency_ms=link.latency_ms, copy_gbs=link.copy_gbs))
-    return {"meta": meta, "results": rows}
+    meta = rank_meta("shardq_layer", device, dtype, trials, models=[[c.name, dist.get_world_size()] for c in configs],
+                     tokens=list(tokens), topk=topk, overlap=overlap, chunks=list(chunks), seed=seed, check=check,
+                     cost_model_link=None if link is None else dict(name=link.name, bandwidth_gbs=link.bandwidth_gbs,
+                                                                       latency_ms=link.latency_ms, copy_gbs=link.copy_gbs))
+    return {"meta": meta, "rows": rows}
 
 
 COMPACT_COLUMNS = ("model", "W", "T", "variant", "n", "total", "exposed", "vs TP", "err vs ref")  # fits 80 columns
@@ -180,7 +181,7 @@ WIDE_COLUMNS = ("model", "W", "T", "variant", "chunks", "total ms", "attn ms", "
 
 def _row_figures(r: dict) -> dict[str, str]:
     def f(key: str, spec: str) -> str:
-        return "-" if r.get(key) is None else format(r[key], spec)
+        return fmt(r.get(key), spec)
 
     err_ref = f("err_vs_ref", ".1e") + ("!" if r.get("check_ok") is False else "")
     return {"model": r["model"], "W": str(r["tp"]), "T": str(r["tokens"]), "variant": r["variant"], "n": str(r["chunks"]),
@@ -200,8 +201,6 @@ def row_cells(rows: list[dict], wide: bool = False) -> tuple[list[str], list[lis
 
 def tables(rows: list[dict], wide: bool = False) -> list:
     """The rich table of ``row_cells`` (title marked for an interpreter run)."""
-    from .report import make_table
-
     head, cells = row_cells(rows, wide)
     note = " [INTERPRETER RUN: timings not meaningful]" if any(r.get("interpreted") for r in rows) else ""
     caption = "ms per layer; exposed = exchange time not hidden behind attention" + ("" if wide else "; --wide: more")
@@ -211,8 +210,6 @@ def tables(rows: list[dict], wide: bool = False) -> list:
 
 def format_rows(rows: list[dict], wide: bool = False, width: int | None = None) -> str:
     """``tables`` as text, ``width`` columns wide (default 80; ``wide``: as wide as the table needs)."""
-    from .report import render_text
-
     return render_text(*tables(rows, wide), width=width, wide=wide)
 
 
@@ -230,10 +227,8 @@ def main(argv: list[str] | None = None) -> None:  # pragma: no cover - torchrun 
     doc = run_shardq_layer_bench(models, [int(t) for t in a.tokens.split(",")], topk=a.topk, trials=a.trials,
                                  chunks=tuple(int(c) for c in a.chunks.split(",")))
     if doc is not None:
-        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump(doc, f, indent=1)
-        print(format_rows(doc["results"]))
+        write_json(a.json, doc["meta"], doc["rows"])
+        print(format_rows(doc["rows"]))
     dist.destroy_process_group()
 
 

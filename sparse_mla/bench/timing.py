@@ -5,7 +5,8 @@ back-to-back calls; ``graph_figures``: the device time of a call captured in a C
 
 Repetitions are capped by time: ``do_bench`` estimates one call from 5 runs and then repeats
 ``max(1, rep_ms / estimate)`` times, so a trial of a 120 ms call costs about 8 calls (~1 s) and a
-trial of a 1 ms call about ``rep_ms`` ms.
+trial of a 1 ms call about ``rep_ms`` ms. The budget (``WARMUP_MS``, ``REP_MS``, ``QUANTILES``) is
+``sparse_mla.bench.common``'s.
 """
 
 from __future__ import annotations
@@ -14,9 +15,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-WARMUP_MS = 10  # do_bench warm-up budget per trial
-REP_MS = 50  # do_bench measuring budget per trial
-QUANTILES = (0.5, 0.2, 0.8)  # per trial: median, then the 20 % and 80 % quantiles of the runs
+from .common import QUANTILES, REP_MS, WARMUP_MS
 
 
 def time_trial(fn: Callable[[], object], *, on_gpu: bool, warmup_ms: int = WARMUP_MS,
@@ -36,6 +35,11 @@ def time_trial(fn: Callable[[], object], *, on_gpu: bool, warmup_ms: int = WARMU
     fn()
     ms = (time.perf_counter() - t0) * 1e3
     return ms, ms, ms
+
+
+def median_ms(fn: Callable[[], object], *, warmup_ms: int = WARMUP_MS, rep_ms: int = REP_MS) -> float:
+    """The median ms of one ``time_trial`` of ``fn`` on the GPU (``triton.testing.do_bench``, L2 flushed)."""
+    return time_trial(fn, on_gpu=True, warmup_ms=warmup_ms, rep_ms=rep_ms)[0]
 
 
 def time_trials(fn: Callable[[], object], *, on_gpu: bool, trials: int, warmup_ms: int = WARMUP_MS,
@@ -82,6 +86,22 @@ def _tensors(value) -> list:
     return [t for v in (value if isinstance(value, (tuple, list)) else ()) for t in _tensors(v)]
 
 
+def capture_graph(fn: Callable[[], object]):
+    """(graph, out): ``fn`` run once on a side stream (its warm-up: compilation, allocator pools), then captured in
+    a ``torch.cuda.CUDAGraph``; ``out`` is what the captured call returned (rewritten by every ``graph.replay()``)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def graph_figures(fn: Callable[[], object], check: Callable[[object], float], tol: float, *, trials: int,
                   rep_ms: int = REP_MS) -> dict:
     """``fn`` as an engine's step runs it on a GPU: captured once in a CUDA graph (after a warm-up call on a side
@@ -95,14 +115,7 @@ def graph_figures(fn: Callable[[], object], check: Callable[[object], float], to
     import torch
 
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fn()
+        graph, out = capture_graph(fn)
         for t in _tensors(out):
             t.fill_(float("nan"))
         graph.replay()
@@ -114,4 +127,5 @@ def graph_figures(fn: Callable[[], object], check: Callable[[object], float], to
         return {"graph_error": f"{type(exc).__name__}: {exc}", "graph_ok": False}
 
 
-__all__ = ["time_trial", "time_trials", "host_time_us", "graph_figures", "WARMUP_MS", "REP_MS", "QUANTILES"]
+__all__ = ["time_trial", "median_ms", "time_trials", "host_time_us", "capture_graph", "graph_figures", "WARMUP_MS", "REP_MS",
+           "QUANTILES"]

@@ -34,6 +34,7 @@ import sparse_mla
 import sparse_mla.cli as cli
 from sparse_mla.bench.baselines import PAD64_NAME, PATH_COLUMNS
 from sparse_mla.bench.check import CHECK_TOLERANCE
+from sparse_mla.bench.common import load
 from sparse_mla.cli import app
 from sparse_mla.layer.dispatch import PATH_NAMES
 
@@ -68,7 +69,7 @@ def test_bench_json_paths(bench_json):
     assert data["meta"]["timings_meaningful"] is False and data["meta"]["trials"] == 2
     assert data["meta"]["kv_format"] is None  # the default run: the cache in the run's dtype, no FP8 fields below
     assert "p20_ms" in data["meta"]["fields"]["paths"] and "best_path" in data["meta"]["fields"]
-    rows = data["results"]
+    rows = data["rows"]
     assert [r["scenario"] for r in rows] == list(SCENARIOS)
     for r in rows:
         assert set(r["paths"]) == set(PATH_COLUMNS)
@@ -130,7 +131,7 @@ def test_report_prints_table(bench_json):
 
 def test_report_renders_committed_results():
     """The committed GPU run (written before p20_ms / p80_ms existed) still renders."""
-    rows = json.loads(COMMITTED.read_text())["results"]
+    rows = load(json.loads(COMMITTED.read_text()))[2]
     res = RUNNER.invoke(app, ["report", "--markdown", str(COMMITTED)])
     assert res.exit_code == 0, res.output
     assert "Triton interpreter" not in res.output
@@ -161,7 +162,8 @@ def test_git_revision_is_the_imported_package_own(tmp_path, monkeypatch):
     "unknown"; once that repository tracks the copy, its HEAD; a copy outside any repository, "unknown". Beside
     it, sparse_mla_version is the package's __version__."""
     import sparse_mla
-    from sparse_mla.bench.report import git_revision, provenance
+    from sparse_mla.bench.common import git_revision
+    from sparse_mla.bench.report import provenance
 
     monkeypatch.delenv("GIT_REV", raising=False)
     other = tmp_path / "other"
@@ -178,7 +180,7 @@ def test_git_revision_is_the_imported_package_own(tmp_path, monkeypatch):
     git("commit", "-q", "-m", "another project")
     env = {k: v for k, v in os.environ.items() if k != "GIT_REV"}
     env["PYTHONPATH"] = str(other / "vendor")
-    run = subprocess.run([sys.executable, "-c", "import sparse_mla, sparse_mla.bench.report as r; "
+    run = subprocess.run([sys.executable, "-c", "import sparse_mla, sparse_mla.bench.common as r; "
                           "print(sparse_mla.__file__); print(r.git_revision())"], cwd=other, env=env, check=True,
                          capture_output=True, text=True)
     imported, rev = run.stdout.split()
@@ -419,7 +421,7 @@ def test_cpu_bench_plot(bench_json, tmp_path):
     (panel,) = drawn["panels"]  # one layout (--dims)
     assert panel["kind"] == "bars" and panel["x"] == ["12", "24+12"]
     assert panel["chosen"] == [r["chosen_path"] for r in rows] and all_of(c is not None for c in panel["chosen"])
-    gpu = plot(str(tmp_path / "g.png"), json.loads(COMMITTED.read_text())["results"], interpreted=False)
+    gpu = plot(str(tmp_path / "g.png"), load(json.loads(COMMITTED.read_text()))[2], interpreted=False)
     assert "interpreter" not in gpu["title"]
     assert all_of(p["kind"] == "lines" and len(p["x"]) >= 2 for p in gpu["panels"])
 
@@ -557,13 +559,13 @@ def _compact_cells(name: str, doc: dict) -> list[list[str]]:
     from sparse_mla.distributed.cost_model import model_vs_measured
 
     if name.startswith("layer"):
-        return report.table_cells(doc["results"])[1]
+        return report.table_cells(load(doc)[2])[1]
     if name == "shardq":
-        rows = doc["results"]
+        rows = load(doc)[2]
         return (shardq.shardq_cells(rows)[1] + shardq.summary_cells(rows)[1]
                 + shardq.cost_model_cells(model_vs_measured(rows)[0])[1])
     module = {"kv_fp8": kv_fp8, "shardq_layer": shardq_layer, "op": op}[name]
-    return module.row_cells(doc["rows" if name in ("kv_fp8", "op") else "results"])[1]
+    return module.row_cells(load(doc)[2])[1]
 
 
 def _assert_fits(out: str, cells: list[list[str]], width: int = 80) -> None:
@@ -600,7 +602,7 @@ def test_bench_module_tables_fit_80_columns(op_rows):
     from sparse_mla.bench import kv_fp8, op, shardq_layer
 
     docs = _docs(op_rows)
-    for module, rows in ((kv_fp8, docs["kv_fp8"]["rows"]), (shardq_layer, docs["shardq_layer"]["results"]),
+    for module, rows in ((kv_fp8, docs["kv_fp8"]["rows"]), (shardq_layer, load(docs["shardq_layer"])[2]),
                          (op, op_rows)):
         _assert_fits(module.format_rows(rows), module.row_cells(rows)[1])
         wide = module.format_rows(rows, wide=True)
@@ -613,7 +615,7 @@ def test_bench_table_compact_and_wide(bench_json):
     """`print_table` of the CLI's own bench rows: compact by default, every path with --wide."""
     from sparse_mla.bench import report
 
-    rows = json.loads(bench_json.read_text())["results"]
+    rows = json.loads(bench_json.read_text())["rows"]
     with contextlib.redirect_stdout(io.StringIO()) as out:
         report.print_table(rows, interpreted=True, width=80)
     _assert_fits(out.getvalue(), report.table_cells(rows)[1])
@@ -651,12 +653,13 @@ def test_report_renders_every_kind(name, stamped, op_rows, tmp_path):
     if kind == "layer":
         from sparse_mla.bench.report import markdown_table
 
-        assert markdown_table(doc["results"]) in md  # the README's table, unchanged
+        assert markdown_table(load(doc)[2]) in md  # the README's table, unchanged
 
 
 def test_writers_stamp_kind(bench_json, tmp_path):
     """Every writer stamps meta.kind: the layer bench, the ShardQ benches (through provenance), kv_fp8, op."""
     from sparse_mla.bench import kinds, kv_fp8, op, report
+    from sparse_mla.bench.common import ROW_KEYS
 
     assert json.loads(bench_json.read_text())["meta"]["kind"] == "layer"
     assert report.provenance(True, 1)["kind"] == "layer"
@@ -668,7 +671,7 @@ def test_writers_stamp_kind(bench_json, tmp_path):
                  "--variants", "bf16", "--json", str(out)])
     doc = json.loads(out.read_text())
     assert doc["meta"]["kind"] == "kv_fp8" and kinds.detect(doc, str(out))[0] == "kv_fp8"
-    assert set(kinds.KINDS) == set(kinds.SHAPES) == {"layer", "shardq", "shardq_layer", "kv_fp8", "op"}
+    assert set(kinds.KINDS) == set(ROW_KEYS) == {"layer", "shardq", "shardq_layer", "kv_fp8", "op"}
 
 
 @pytest.mark.parametrize("doc, match", [

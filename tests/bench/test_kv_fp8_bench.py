@@ -25,7 +25,7 @@ def test_bench_kv_dtype_fp8(tmp_path):
     assert res.exit_code == 0, res.output
     data = json.loads(out.read_text())
     assert data["meta"]["kv_format"] == FP8
-    (row,) = data["results"]
+    (row,) = data["rows"]
     assert row["kv_format"] == FP8 and row["failures"] == [] and row["pad64_baseline"].startswith("dequant+")
     assert set(row["paths"]) == {*PATH_COLUMNS, DEQUANT_NAME}
     timed = [name for name, rec in row["paths"].items() if rec["supported"]]

@@ -41,7 +41,7 @@ def test_run_shardq_bench_on_gloo_ranks(tmp_path, monkeypatch, capsys):
     out_file = tmp_path / "bench.json"
     spawn_ranks(monkeypatch, tmp_path, 2, GLOO, _bench_task, str(out_file), timeout_s=120.0)
     doc = json.loads(out_file.read_text())
-    rows = doc["results"]
+    rows = doc["rows"]
     assert [r["variant"] for r in rows] == list(VARIANTS)  # glm-5 at W = 2: G = 4 (TP), 2 (ShardQ)
     for r in rows:
         assert (r["model"], r["tp"], r["tokens"], r["heads"], r["heads_per_rank"]) == ("glm-5", 2, 40, 64, 32)

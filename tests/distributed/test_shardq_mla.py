@@ -225,7 +225,7 @@ def test_shardq_layer_bench_on_gloo_ranks(tmp_path, monkeypatch):
     out_file = tmp_path / "layer.json"
     spawn_ranks(monkeypatch, tmp_path, 2, GLOO, _layer_bench_task, str(out_file), timeout_s=180.0)
     doc = json.loads(out_file.read_text())
-    rows = doc["results"]
+    rows = doc["rows"]
     assert [(r["variant"], r["chunks"]) for r in rows] == [("tp", 1), ("shardq-absorbed", 1), ("shardq-absorbed", 3),
                                                            ("shardq-reduced", 1), ("shardq-reduced", 3)]
     tol = TOLERANCE[torch.float16]

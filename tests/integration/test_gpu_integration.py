@@ -19,6 +19,7 @@ from testlib.device import HAS_CUDA
 from testlib.tolerances import assert_matches_reference
 
 from sparse_mla import SparseMLAWorkspace, sparse_mla_fwd, sparse_mla_ref
+from sparse_mla.bench.timing import capture_graph
 from sparse_mla.integration import ops  # noqa: F401  (registers torch.ops.sparse_mla.*)
 from sparse_mla.integration.block_table import (
     convert_req_index_to_global,
@@ -179,15 +180,7 @@ def _load(s: dict, st: Step) -> None:
 
 
 def _capture(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
+    return capture_graph(fn)[0]
 
 
 def _eager(engine, st: Step):
