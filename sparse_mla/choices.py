@@ -67,8 +67,8 @@ DECISIONS: tuple[Decision, ...] = (
     Decision(
         "FP8 cache", "FP8 cache: staged to q's dtype first, or dequantized in the kernel's gather",
         "sparse_mla.kv_staging.choose_kv_dequant",
-        "`sparse_mla/kv_staging.py`: `STAGE_NS_PER_ROW`, `INKERNEL_NS_PER_GATHERED_ROW` (the op stages the cache, "
-        "`layer/staging.py` the windows); grouped lists' rows: `union/grouping.py` `estimated_union_rows`",
+        "`sparse_mla/kv_staging.py`: `STAGE_NS_PER_ROW`, `INKERNEL_NS_PER_GATHERED_ROW`, `GROUPED_UNION_RATIO_ESTIMATE` "
+        "(`estimated_union_rows`; the op stages the cache, `layer/staging.py` the windows)",
         "`kv_dequant=\"staged\"` / `\"in_kernel\"` on `sparse_mla_fwd` and `dsa_prefill`",
         "`results/op-final.json`, `results/op-a1.json` (docs/notes/default-call.md)", (_FWD, )),
     Decision(
@@ -93,14 +93,14 @@ DECISIONS: tuple[Decision, ...] = (
     Decision(
         "overlap guard", "per-group fallback: a group whose union is too large runs per token (on the device)",
         None, "`sparse_mla/union/grouping.py`: `overlap_guard_ratio`, `GUARD_FRACTION_OF_G`, `GUARD_MIN_LISTS`",
-        "`sparse_mla_fwd(overlap_guard=...)`", "`results/bench-none.json` (docs/notes/grouping.md)", (_FWD, )),
+        "`sparse_mla_fwd(overlap_guard=...)` (`math.inf`: off)", "`results/bench-none.json` (docs/notes/grouping.md)", (_FWD, )),
     Decision(
         "overlap probe", "per-step fallback: skip the union build when most probed groups are guarded (on the device)",
         None, "`sparse_mla/union/probe.py`: `PROBE_STRIDE`, `PROBE_MIN_GROUPS`, `PROBE_SKIP_FRACTION`",
         "- (runs with the overlap guard; `method=\"per_token\"` avoids grouping altogether)",
         "`results/bench-none.json` (docs/notes/grouping.md)"),
     Decision(
-        "Gluon schedule", "Gluon schedule: pair or split (an FP8 cache always split); a sub-decision of the backend",
+        "Gluon schedule", "Gluon schedule: pair or split (an FP8 cache always split; at import); a sub-decision of the backend",
         None, "`sparse_mla/mqa/gluon_sm90/config.py`: `schedule_for`",
         "`SPARSE_MLA_GLUON_SCHEDULE=pair\\|split` (read at import)",
         "`results/gluon-v12-full.json` (docs/notes/attention-gluon.md)"),
@@ -137,7 +137,7 @@ def markdown_table() -> str:
     """``DECISIONS`` as a Markdown table: docs/decisions.md holds this text verbatim."""
     rows = ["| explain label | decision | chooser and constants | how to force it | evidence |", "|---|---|---|---|---|"]
     for d in DECISIONS:
-        chooser = f"`{d.chooser.rpartition('.')[2]}`; " if d.chooser else "on the device or at import; "
+        chooser = f"`{d.chooser.rpartition('.')[2]}`; " if d.chooser else ""
         rows.append(f"| `{d.label}` | {d.what} | {chooser}{d.home} | {d.force} | {d.evidence} |")
     return "\n".join(rows) + "\n"
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..choices import NEVER, Choice, deprecated_alias
+from ..choices import NEVER, Choice, deprecated_alias, line
 from ..union.grouping import default_group_size
 
 METHODS = ("auto", "per_token", "grouped")
@@ -90,7 +90,7 @@ def explain_method(num_heads: int, num_tokens: int, *, method: str = "auto", gro
     """One line: what ``sparse_mla_fwd(method=...)`` runs for such a call, and why."""
     chosen, why = choose_method(method, num_heads, num_tokens, group_size)
     layout = "within requests (cu_seqlens_q)" if has_cu_seqlens else "token-major over all rows"
-    return f"method: {chosen} ({why})" + (f"; groups {layout}" if chosen == "grouped" else "")
+    return line("method", (chosen, why + (f"; groups {layout}" if chosen == "grouped" else "")))
 
 
 def fit_grouping_rules(points: list[dict], heads_buckets: tuple[int, ...] = (8, 16, 32, 64, 128),

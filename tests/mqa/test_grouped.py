@@ -188,6 +188,27 @@ def test_overlap_guard_case_table_covers_both_decisions():
     assert decisions == {True, False}
 
 
+def test_overlap_guard_none_is_the_default_table():
+    """overlap_guard=None (the default) applies the default table, as the deprecated -1.0 does; math.inf turns the
+    guard off; a float is the ratio itself. Disjoint lists: the default table sends both groups per token."""
+    H, K, N, T = 16, 64, 400, 16
+    G = default_group_size(H)
+    p = make_problem(T, H, K, N, seed=5, indices=neighbour_rows(T, K, N, 0.0, generator=torch.Generator().manual_seed(3)))
+
+    def group_lens(**kw):
+        ws = SparseMLAWorkspace.for_problem(T, K, H, N, DEVICE)
+        run_checked(p, method="grouped", workspace=ws, **kw)
+        return ws.group_len[:T // G].tolist()
+
+    default = group_lens()
+    assert default == [0, 0]
+    assert group_lens(overlap_guard=None) == default == group_lens(overlap_guard=overlap_guard_ratio(G))
+    with pytest.warns(DeprecationWarning, match="overlap_guard=-1.0"):
+        assert group_lens(overlap_guard=-1.0) == default
+    assert group_lens(overlap_guard=math.inf) == [G, G]
+    assert group_lens(overlap_guard=float(G)) == [G, G]  # a union of at most G mean lists always fits
+
+
 @pytest.mark.parametrize("N", [pytest.param(2**28, id="N2^28"), pytest.param(2**31, id="N2^31-row-INT_MAX-valid")])
 def test_huge_kv_rows_end_to_end(N):
     """Rows up to the int32 limit through the whole grouped path. kv is one row expanded to N rows
