@@ -243,12 +243,13 @@ def explain_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_sca
     decided = {"method": choose_method(method, H, T, group_size)}
     grouped = decided["method"].name == "grouped"
     G = validate_fwd_buffers(p, return_lse=False, grouped=grouped, group_size=group_size, overlap_guard=overlap_guard,
-                             out=None, lse=None, workspace=None) if grouped else 1
+                             out=None, lse=None, workspace=None)
+    G = G if grouped else 1
     fp8_route = _choose_fp8_route(p, kv_dequant, grouped, G)
     if fp8_route is not None:
         decided["FP8 cache"] = fp8_route
-    S, split_reason = decided["kv splits"] = _choose_splits(p, decided["method"].name, G, None, kv_splits, fp8_route)
-    name, why = mqa_backends.launch_backend(p.q, p.kv, G * H, grouped=grouped, kv_split=S > 1,
+    decided["kv splits"] = _choose_splits(p, decided["method"].name, G, None, kv_splits, fp8_route)
+    name, why = mqa_backends.launch_backend(p.q, p.kv, G * H, grouped=grouped, kv_split=decided["kv splits"].name > 1,
                                             kv_fp8=fp8_route is not None and fp8_route.name == "in_kernel")
     decided["attention backend"] = Choice(name, f"{why}; {G * H} pseudo-heads per tile")
     if grouped:
@@ -257,10 +258,12 @@ def explain_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_sca
             decided["union builder"] = union_backends.choose_union_backend(p.q.device, G, p.topk, guard_ratio=ratio)
         except ValueError as exc:
             decided["union builder"] = Choice("error", str(exc))
-        decided["overlap guard"] = (Choice("off", "overlap_guard=math.inf: every union built and used") if ratio is None
-                                    else Choice(f"{ratio:g} x the mean list", "a group with a larger union runs per "
-                                                "token, on the device" + (" (the default table for G = "
-                                                f"{G})" if overlap_guard is None else "")))
+        if ratio is None:
+            decided["overlap guard"] = Choice("off", "overlap_guard=math.inf: every union built and used")
+        else:
+            source = "the default table" if overlap_guard is None else "overlap_guard="
+            decided["overlap guard"] = Choice(f"{ratio:g} x the mean list", f"{source} for G = {G}: a group with a "
+                                              "larger union runs per token, on the device")
     return "\n".join(explain_lines(decided))
 
 
