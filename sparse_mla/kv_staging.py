@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .choices import Choice
 from .kv_format import FP8_DS_MLA, KV_DEQUANT_MODES
 from .launch_cache import LaunchCache
 
@@ -29,24 +30,31 @@ from .launch_cache import LaunchCache
 INKERNEL_NS_PER_GATHERED_ROW = 0.16
 STAGE_NS_PER_ROW = 1.5
 STAGE_FIXED_NS = 40_000
-# Rows a grouped call gathers, as a multiple of its queries' list rows over G: the rule's estimate (the "mid" lists'
-# union ratio at G = 8, results/op-recon-7c35494.json).
+# Rows a grouped call gathers, as a multiple of its queries' list rows over G: the estimate of the FP8 route and of the
+# split count (the "mid" lists' union ratio at G = 8, results/op-recon-7c35494.json).
 GROUPED_UNION_RATIO_ESTIMATE = 1.4
 # Staging allocates [rows, 576] of q's dtype per call unless the caller passes a buffer; above this it never stages.
 DEFAULT_MAX_STAGED_BYTES = 4 * 2**30
 
 
-def choose_kv_dequant(mode: str, staged_rows: int, gathered_rows: int, row_bytes: int,
-                      max_staged_bytes: int | None = None) -> tuple[str, str]:
-    """("staged" | "in_kernel", reason) for an FP8 cache.
+def estimated_union_rows(list_rows: int, group_size: int) -> int:
+    """Rows the attention gathers for lists holding ``list_rows`` valid entries in all: ``list_rows`` per token
+    (``group_size`` 1), about ``list_rows / G * GROUPED_UNION_RATIO_ESTIMATE`` union rows grouped."""
+    return list_rows if group_size <= 1 else int(list_rows / group_size * GROUPED_UNION_RATIO_ESTIMATE)
+
+
+def choose_kv_dequant(mode: str, staged_rows: int, list_rows: int, row_bytes: int,
+                      max_staged_bytes: int | None = None, *, group_size: int = 1) -> Choice:
+    """``Choice("staged" | "in_kernel", reason)`` for an FP8 cache: the one rule of the op and the layer.
 
     Args:
         mode: "auto" (the rule), "in_kernel" (never stage: no workspace memory), "staged" (always, if it fits).
         staged_rows: rows the staged route dequantizes (the cache given to the op; the windows in the layer).
-        gathered_rows: rows the attention kernel gathers (per token: the valid entries of every list; grouped:
-            the union rows, estimated by the caller).
+        list_rows: valid entries of every query's list (what the attention gathers per token).
         row_bytes: bytes of one staged row (576 x q's element size).
         max_staged_bytes: the memory the caller allows for the staged rows (None: ``DEFAULT_MAX_STAGED_BYTES``).
+        group_size: queries per group of a grouped call (1: per token); grouped, the kernel gathers
+            ``estimated_union_rows(list_rows, group_size)``.
 
     Raises:
         ValueError: an unknown mode; mode "staged" when the rows exceed ``max_staged_bytes``.
@@ -56,22 +64,24 @@ def choose_kv_dequant(mode: str, staged_rows: int, gathered_rows: int, row_bytes
     limit = DEFAULT_MAX_STAGED_BYTES if max_staged_bytes is None else max_staged_bytes
     nbytes = staged_rows * row_bytes
     if mode == "in_kernel":
-        return "in_kernel", "kv_dequant='in_kernel'"
+        return Choice("in_kernel", "kv_dequant='in_kernel'")
     fits = nbytes <= limit
     if mode == "staged":
         if not fits:
             raise ValueError(f"kv_dequant='staged' needs {nbytes} bytes for {staged_rows} staged rows, more than the "
                              f"{limit} allowed (max_staged_bytes)")
-        return "staged", "kv_dequant='staged'"
+        return Choice("staged", "kv_dequant='staged'")
     if not fits:
-        return "in_kernel", f"{staged_rows} staged rows ({nbytes / 2**20:.0f} MiB) exceed the {limit / 2**20:.0f} MiB allowed"
+        return Choice("in_kernel", f"{staged_rows} staged rows ({nbytes / 2**20:.0f} MiB) exceed the "
+                                   f"{limit / 2**20:.0f} MiB allowed")
+    gathered_rows = estimated_union_rows(list_rows, group_size)
     stage_ns = STAGE_FIXED_NS + staged_rows * STAGE_NS_PER_ROW
     extra_ns = gathered_rows * INKERNEL_NS_PER_GATHERED_ROW
     if stage_ns <= extra_ns:
-        return "staged", (f"staging {staged_rows} rows (~{stage_ns / 1e3:.0f} us) costs less than dequantizing "
-                          f"{gathered_rows} gathered rows in the kernel (~{extra_ns / 1e3:.0f} us)")
-    return "in_kernel", (f"dequantizing {gathered_rows} gathered rows in the kernel (~{extra_ns / 1e3:.0f} us) costs "
-                         f"less than staging {staged_rows} rows (~{stage_ns / 1e3:.0f} us)")
+        return Choice("staged", f"staging {staged_rows} rows (~{stage_ns / 1e3:.0f} us) costs less than dequantizing "
+                                f"{gathered_rows} gathered rows in the kernel (~{extra_ns / 1e3:.0f} us)")
+    return Choice("in_kernel", f"dequantizing {gathered_rows} gathered rows in the kernel (~{extra_ns / 1e3:.0f} us) "
+                               f"costs less than staging {staged_rows} rows (~{stage_ns / 1e3:.0f} us)")
 
 
 @triton.jit(do_not_specialize=["n_rows", "stride_src", "stride_dst"])
@@ -151,4 +161,4 @@ _DEQUANT = LaunchCache(namespace=globals(), name="_dequant_rows_kernel", align=(
 
 
 __all__ = ["KV_DEQUANT_MODES", "GROUPED_UNION_RATIO_ESTIMATE", "INKERNEL_NS_PER_GATHERED_ROW", "STAGE_NS_PER_ROW",
-           "STAGE_FIXED_NS", "DEFAULT_MAX_STAGED_BYTES", "choose_kv_dequant", "dequantize_rows"]
+           "STAGE_FIXED_NS", "DEFAULT_MAX_STAGED_BYTES", "choose_kv_dequant", "dequantize_rows", "estimated_union_rows"]

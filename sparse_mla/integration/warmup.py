@@ -160,7 +160,7 @@ def warmup(
     kv_row_stride: int | None = None,
     workspace: SparseMLAWorkspace | None = None,
     group_size: int | None = None,
-    overlap_guard: float | None = -1.0,
+    overlap_guard: float | None = None,
     block_size: int = 64,
     return_lse: tuple[bool, ...] = (False, True),
     topk_length: tuple[bool, ...] = (False, True),
@@ -189,7 +189,7 @@ def warmup(
         kv_row_stride: row stride of the engine's kv in elements (default d_qk); ignored with kv.
         workspace: the engine's ``SparseMLAWorkspace``, if its steps pass one (recommended).
         group_size: G override, as passed to ``sparse_mla_fwd``.
-        overlap_guard: as passed to ``sparse_mla_fwd`` (-1 = default table, None = no guard).
+        overlap_guard: as passed to ``sparse_mla_fwd``.
         block_size: the cache block size for the converter.
         return_lse, topk_length: which lse / topk_length modes the engine uses (default both).
         attn_sink, max_logits: whether the engine passes ``attn_sink`` / ``max_logits`` (as

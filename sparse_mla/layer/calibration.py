@@ -21,7 +21,7 @@ from dataclasses import replace
 
 from ..workloads.models import MODELS
 from . import dispatch
-from .dispatch import NEVER, PATHS, HeadsThresholds, auto_path, has_cached_prefix, work_ratio
+from .dispatch import NEVER, PATHS, HeadsThresholds, has_cached_prefix, path_rule, work_ratio
 from .problem import PrefillStep
 
 TOLERANCE = 1.05  # the layer issue: the automatic choice within 5% of the best path
@@ -49,7 +49,7 @@ def measured_ms(row: dict) -> dict[str, float]:
 def choice(step: PrefillStep, table: tuple[HeadsThresholds, ...] | None = None) -> str:
     """The automatic path for ``step`` under ``table`` (default: the dispatcher's ``THRESHOLDS``)."""
     sup = {name: p.supports(step) for name, p in PATHS.items()}
-    return auto_path(step, sup, work_ratio(step), table)[0]
+    return path_rule(step, sup, work_ratio(step), table).name
 
 
 def evaluate(rows: list[dict], table: tuple[HeadsThresholds, ...] | None = None) -> list[dict]:

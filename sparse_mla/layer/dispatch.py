@@ -32,6 +32,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from .. import env
+from ..choices import NEVER, Choice, line
 from .paths import MASKED_MHA_MAX_HEAD_DIM, MQA_KV_LORA_RANKS, MQA_ROPE_DIMS, DenseMHA, MaskedMHA, SparseMQA
 from .problem import PrefillStep, causal_sums
 
@@ -42,8 +43,6 @@ ENV_VAR = env.PATH.name
 # The registry: name -> path object (supports(step) -> (ok, reason), run(problem) -> o).
 PATHS = {p.name: p for p in (DenseMHA(), MaskedMHA(), SparseMQA("grouped"), SparseMQA("per_token"))}
 PATH_NAMES = tuple(PATHS)
-
-NEVER = 2**31  # a token count no step reaches
 
 
 @dataclass(frozen=True)
@@ -146,8 +145,13 @@ class PathDecision:
     attention_backend: str = ""  # which sparse MQA kernel backend the MQA paths launch here, and why
     union_backend: str = ""  # which union builder the grouped MQA path runs here, and why
 
+    @property
+    def choice(self) -> Choice:
+        """``Choice(path, reason)``."""
+        return Choice(self.path, self.reason)
+
     def __str__(self) -> str:
-        lines = [f"path: {self.path} ({self.reason})"]
+        lines = [line("path", self.choice)]
         lines += [f"  {name}: {'yes' if ok else 'no'} - {why}" for name, (ok, why) in self.supports.items()]
         if self.attention_backend:
             lines.append(f"  (sparse MQA paths) {self.attention_backend}")
@@ -172,19 +176,23 @@ def _requested(path: str | None) -> tuple[str | None, str]:
     return value, f"{ENV_VAR}="
 
 
-def auto_path(step: PrefillStep, sup: dict[str, tuple[bool, str]], ratio: float,
-              table: tuple[HeadsThresholds, ...] | None = None) -> tuple[str, str]:
-    """The automatic choice (path, reason) given every path's ``supports`` answer and the work
-    ratio, under ``table`` (default: ``THRESHOLDS``; the calibration tries candidate tables)."""
+def path_rule(step: PrefillStep, sup: dict[str, tuple[bool, str]], ratio: float,
+              table: tuple[HeadsThresholds, ...] | None = None) -> Choice:
+    """The automatic ``Choice(path, reason)`` given every path's ``supports`` answer and the work
+    ratio, under ``table`` (default: ``THRESHOLDS``; the calibration tries candidate tables).
+
+    Raises:
+        ValueError: no path supports the step (the message says what the caller can change).
+    """
     row = thresholds_for(step.num_heads, table)
     if sup["dense_mha"][0]:
-        return "dense_mha", sup["dense_mha"][1]
+        return Choice("dense_mha", sup["dense_mha"][1])
     limit = masked_ratio_limit(step, table)
     max_win = row.masked_max_window
     kind = "with a cached prefix" if has_cached_prefix(step) else "pure prefill"
     if sup["masked_mha"][0] and ratio <= limit and step.max_window <= max_win:
-        return "masked_mha", (f"MHA/sparse work ratio {ratio:.2f} <= {limit} for H = {step.num_heads} ({kind}) "
-                              f"and longest window {step.max_window} <= {max_win}")
+        return Choice("masked_mha", f"MHA/sparse work ratio {ratio:.2f} <= {limit} for H = {step.num_heads} ({kind}) "
+                                    f"and longest window {step.max_window} <= {max_win}")
     why_not_masked = (sup["masked_mha"][1] if not sup["masked_mha"][0] else
                       f"MHA/sparse work ratio {ratio:.2f} > {limit} ({kind})" if ratio > limit else
                       f"longest window {step.max_window} > {max_win}")
@@ -192,8 +200,8 @@ def auto_path(step: PrefillStep, sup: dict[str, tuple[bool, str]], ratio: float,
     scope = "pure prefills and cached prefixes" if row.grouped_cached else "pure prefills"
     band = f"[{lo}, {hi}] ({scope})" if lo < NEVER else "(grouping off for this many heads)"
     if sup["mqa_grouped"][0] and lo <= step.num_tokens <= hi and (row.grouped_cached or not has_cached_prefix(step)):
-        return "mqa_grouped", (f"H = {step.num_heads} <= 64 and T = {step.num_tokens} in {band}; "
-                               f"not masked MHA: {why_not_masked}")
+        return Choice("mqa_grouped", f"H = {step.num_heads} <= 64 and T = {step.num_tokens} in {band}; "
+                                     f"not masked MHA: {why_not_masked}")
     if sup["mqa_per_token"][0]:
         if not sup["mqa_grouped"][0]:
             why_not_grouped = sup["mqa_grouped"][1]
@@ -201,10 +209,10 @@ def auto_path(step: PrefillStep, sup: dict[str, tuple[bool, str]], ratio: float,
             why_not_grouped = "a cached prefix (grouping measured to pay on pure prefills only at this many heads)"
         else:
             why_not_grouped = f"T = {step.num_tokens} not in {band}"
-        return "mqa_per_token", f"not grouped: {why_not_grouped}; not masked MHA: {why_not_masked}"
+        return Choice("mqa_per_token", f"not grouped: {why_not_grouped}; not masked MHA: {why_not_masked}")
     for name, (ok, why) in sup.items():
         if ok:
-            return name, f"the only supported path: {why}"
+            return Choice(name, f"the only supported path: {why}")
     details = "; ".join(f"{n}: {w}" for n, (_, w) in sup.items())
     changes = "; ".join(f"({i}) {c}" for i, c in enumerate(what_to_change(step, sup), 1))
     raise ValueError(f"no path supports this step ({details}). What you can change: {changes}")
@@ -231,20 +239,24 @@ def what_to_change(step: PrefillStep, sup: dict[str, tuple[bool, str]]) -> list[
     return out or ["nothing known: please report the step (explain(step) prints every path's reason)"]
 
 
-def explain(step: PrefillStep, path: str | None = None, *, describe_backends: bool = True) -> PathDecision:
-    """The decision for ``step`` with every path's ``supports`` answer (no logging, no warning
-    except for an unknown name in the environment variable).
+def explain(step: PrefillStep, path: str | None = None, *, describe_backends: bool = True,
+            log: bool = False) -> PathDecision:
+    """The decision for ``step`` with every path's ``supports`` answer.
 
     Args:
         step: the plain-Python step description.
         path: None or "auto" (automatic, or the environment variable if set), or a path name.
         describe_backends: fill ``attention_backend`` / ``union_backend`` (device queries and string
             building: ~0.1 ms of host time, which ``dsa_prefill``'s own call skips).
+        log: the one log line of a ``dsa_prefill`` call: DEBUG, or WARNING and a ``PathFallbackWarning`` when a
+            forced path fell back. Without it nothing is logged or warned, except for an unknown name in the
+            environment variable.
 
     Returns:
         ``PathDecision``; ``fell_back`` is True when the forced path does not support the step.
 
     Raises:
+        TypeError: ``step`` is not a ``PrefillStep``.
         ValueError: an unknown ``path`` name; no path supports the step.
     """
     if not isinstance(step, PrefillStep):
@@ -259,33 +271,31 @@ def explain(step: PrefillStep, path: str | None = None, *, describe_backends: bo
                                   kv_fp8=step.kv_format is not None) if describe_backends else ""
     union = describe_for_step(step.num_heads, step.topk) if describe_backends else ""
     if requested is not None and sup[requested][0]:
-        return PathDecision(requested, f"forced by {source}{requested}", requested, False, sup, ratio, backend, union)
-    name, why = auto_path(step, sup, ratio)
-    if requested is not None:
-        why = f"forced {requested} ({source}) does not support the step: {sup[requested][1]}; fell back to {name}: {why}"
-        return PathDecision(name, why, requested, True, sup, ratio, backend, union)
-    return PathDecision(name, why, None, False, sup, ratio, backend, union)
-
-
-def choose_path(step: PrefillStep, path: str | None = None) -> tuple[str, str]:
-    """(path name, reason) for ``step``; see ``explain`` (which this wraps) and the module docstring."""
-    d = explain(step, path)
-    return d.path, d.reason
-
-
-def decide_and_log(step: PrefillStep, path: str | None = None) -> PathDecision:
-    """``explain`` (without the backend descriptions), plus the one log line of a call (DEBUG; WARNING
-    and a ``PathFallbackWarning`` when a forced path fell back)."""
-    d = explain(step, path, describe_backends=False)
-    if d.fell_back:
+        d = PathDecision(requested, f"forced by {source}{requested}", requested, False, sup, ratio, backend, union)
+    else:
+        name, why = path_rule(step, sup, ratio)
+        if requested is not None:
+            why = f"forced {requested} ({source}) does not support the step: {sup[requested][1]}; fell back to {name}: {why}"
+        d = PathDecision(name, why, requested, requested is not None, sup, ratio, backend, union)
+    if log and d.fell_back:
         logger.warning("dsa_prefill: %s", d.reason)
         warnings.warn(d.reason, PathFallbackWarning, stacklevel=3)
-    else:
+    elif log:
         logger.debug("dsa_prefill: path=%s T=%d H=%d B=%d max_window=%d topk=%d (%s)", d.path, step.num_tokens,
                      step.num_heads, step.num_requests, step.max_window, step.topk, d.reason)
     return d
 
 
+def choose_path(step: PrefillStep, path: str | None = None) -> Choice:
+    """``Choice(path name, reason)`` for ``step``: ``explain`` without the backend lines (module docstring).
+
+    Raises:
+        TypeError: ``step`` is not a ``PrefillStep``.
+        ValueError: an unknown ``path`` name; no path supports the step.
+    """
+    return explain(step, path, describe_backends=False).choice
+
+
 __all__ = ["PATHS", "PATH_NAMES", "THRESHOLDS", "NEVER", "ENV_VAR", "HeadsThresholds", "PathDecision",
-           "PathFallbackWarning", "explain", "choose_path", "decide_and_log", "auto_path", "mha_work", "sparse_work",
+           "PathFallbackWarning", "explain", "choose_path", "path_rule", "mha_work", "sparse_work",
            "work_ratio", "thresholds_for", "masked_ratio_limit", "has_cached_prefix", "what_to_change"]

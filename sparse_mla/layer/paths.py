@@ -244,10 +244,14 @@ def absorbed_mqa(p: DSAPrefillProblem, out: torch.Tensor, method: str, q_heads: 
     dev = p.q_nope.device
     fmt = {}
     if p.kv_format is not None:
-        from .staging import choose_route, stage_windows  # decorates the staging kernel: on first use
+        from ..kv_format import FP8_DS_MLA
+        from ..kv_staging import choose_kv_dequant  # decorates the staging kernel: on first use
+        from .staging import fp8_route_rows, stage_windows
 
         G = default_group_size(H) if method == "grouped" else 1
-        route, why = choose_route(p, method == "grouped", G)
+        staged, listed = fp8_route_rows(p)
+        route, why = choose_kv_dequant(p.kv_dequant, staged, listed, FP8_DS_MLA.d_qk * p.q_nope.element_size(),
+                                       group_size=G)
         logger.debug("dsa_prefill: FP8 cache, %s route (%s)", route, why)
         if route == "staged":
             p = stage_windows(p)

@@ -16,7 +16,7 @@ from torch import nn
 from ..checks import require_bool, require_finite_float, require_int
 from ..kv_format import KV_DEQUANT_MODES
 from .checks import validate_dsa_prefill_args, validate_dsa_prefill_out
-from .dispatch import PATHS, PathDecision, decide_and_log
+from .dispatch import PATHS, PathDecision, explain
 
 
 def dsa_prefill(
@@ -124,7 +124,7 @@ def dsa_prefill(
     if validate_dsa_prefill_out(p, out) is None:
         out = torch.empty((T, H, p.step.v_head_dim), dtype=p.q_nope.dtype, device=p.q_nope.device)
     require_bool("return_decision", return_decision)
-    decision = decide_and_log(p.step, path)
+    decision = explain(p.step, path, describe_backends=False, log=True)
     if T > 0:
         PATHS[decision.path].run(p, out)
     return (out, decision) if return_decision else out

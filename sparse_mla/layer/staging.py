@@ -12,8 +12,7 @@ import dataclasses
 
 import torch
 
-from ..kv_format import FP8_DS_MLA
-from ..kv_staging import GROUPED_UNION_RATIO_ESTIMATE, choose_kv_dequant, dequantize_rows
+from ..kv_staging import dequantize_rows
 from .host import to_device_async
 from .problem import DSAPrefillProblem, causal_sums, token_windows, window_rows
 
@@ -23,13 +22,11 @@ def window_rows_total(p: DSAPrefillProblem) -> int:
     return sum(p.step.windows)
 
 
-def choose_route(p: DSAPrefillProblem, grouped: bool, group_size: int) -> tuple[str, str]:
-    """("staged" | "in_kernel", reason) for an FP8 step of the MQA paths, by ``kv_staging.choose_kv_dequant`` with the
-    window rows as the staged rows and the rows the kernel gathers (valid list entries, over G when grouped)."""
+def fp8_route_rows(p: DSAPrefillProblem) -> tuple[int, int]:
+    """(staged rows, list rows) of an FP8 step, what ``kv_staging.choose_kv_dequant`` weighs: the rows of all
+    request windows, and the valid entries of every token's list (top-k within its causal window)."""
     keys = sum(causal_sums(c, n, p.step.topk) for c, n in zip(p.step.cached_lens, p.step.new_lens))
-    gathered = keys if not grouped else int(keys / group_size * GROUPED_UNION_RATIO_ESTIMATE)
-    row_bytes = FP8_DS_MLA.d_qk * p.q_nope.element_size()
-    return choose_kv_dequant(p.kv_dequant, window_rows_total(p), gathered, row_bytes)
+    return window_rows_total(p), keys
 
 
 def stage_windows(p: DSAPrefillProblem) -> DSAPrefillProblem:
@@ -71,4 +68,4 @@ def stage_windows(p: DSAPrefillProblem) -> DSAPrefillProblem:
                                step=step, kv_format=None)
 
 
-__all__ = ["choose_route", "stage_windows", "window_rows_total"]
+__all__ = ["fp8_route_rows", "stage_windows", "window_rows_total"]

@@ -11,7 +11,8 @@ Backends:
 * ``"triton"``: ``sparse_mla.mqa.triton_tl``, the portable kernel: every other case, and the
   CPU-tested twin every other backend is held to.
 
-``SPARSE_MLA_MQA_BACKEND`` = ``auto`` (default) | ``triton`` | ``gluon_sm90`` forces one; forcing a
+``choose_backend`` decides (``Choice(backend, reason)``; ``describe_for_device`` applies its rule without
+tensors). ``SPARSE_MLA_MQA_BACKEND`` = ``auto`` (default) | ``triton`` | ``gluon_sm90`` forces one; forcing a
 backend that does not apply raises ``ValueError`` with the reason. Each launch logs one debug line
 (logger ``sparse_mla``) naming the backend and why; ``describe_backend`` gives the same text.
 """
@@ -23,12 +24,14 @@ import logging
 import torch
 
 from .. import env
+from ..choices import Choice, deprecated_alias, line
 from . import triton_tl
 
 logger = logging.getLogger("sparse_mla")
 
 BACKENDS = ("triton", "gluon_sm90")
 ENV_VAR = env.MQA_BACKEND.name
+LABEL = "attention backend"  # its row of sparse_mla.choices.DECISIONS
 
 
 def fp8_kv_reason(dtype: torch.dtype, d_qk: int = 576) -> str | None:
@@ -112,7 +115,7 @@ def triton_small_tiles_win(pseudo_heads: int, num_tokens: int, kv_fp8: bool) -> 
     """Whether the automatic choice takes the Triton kernel although the Gluon one applies: fewer than
     ``GLUON_MIN_PSEUDO_HEADS`` pseudo-heads per tile on more than ``GLUON_FEW_HEADS_MAX_TOKENS`` tokens of a bf16 /
     fp16 cache when the Gluon kernel runs the split schedule (never on the pair schedule, never on an fp8_ds_mla
-    cache). The one rule ``select_backend`` and ``describe_for_device`` share."""
+    cache). Part of the rule ``choose_backend`` and ``describe_for_device`` share."""
     if kv_fp8 or pseudo_heads >= GLUON_MIN_PSEUDO_HEADS or num_tokens <= GLUON_FEW_HEADS_MAX_TOKENS:
         return False
     from . import gluon_sm90
@@ -120,45 +123,62 @@ def triton_small_tiles_win(pseudo_heads: int, num_tokens: int, kv_fp8: bool) -> 
     return gluon_sm90.schedule_for(False) == "split"
 
 
-def select_backend(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None = None,
-                   pseudo_heads: int | None = None) -> tuple[str, str]:
-    """(backend, reason) for a launch on these tensors, honouring ``SPARSE_MLA_MQA_BACKEND``.
+def _forced() -> str:
+    """``SPARSE_MLA_MQA_BACKEND`` now ("auto" when unset or blank).
+
+    Raises:
+        ValueError: an unknown backend name."""
+    forced = env.get(env.MQA_BACKEND).strip() or "auto"
+    if forced not in ("auto", *BACKENDS):
+        raise ValueError(f"{ENV_VAR} must be one of auto, {', '.join(BACKENDS)}; got {forced!r}")
+    return forced
+
+
+def _rule(applies: tuple[bool, str], pseudo_heads: int, num_tokens: int, kv_fp8: bool) -> Choice:
+    """The choice given whether the Gluon kernel applies (``gluon_sm90_applies``, with the reason), the rows of a
+    tile, the tokens and the cache format: what ``choose_backend`` and ``describe_for_device`` both decide by."""
+    forced = _forced()
+    ok, why = applies
+    if forced == "triton":
+        return Choice("triton", f"forced by {ENV_VAR}=triton")
+    if forced == "gluon_sm90":
+        if not ok:
+            raise ValueError(f"{ENV_VAR}=gluon_sm90 but the Gluon kernel does not apply: {why}")
+        return Choice("gluon_sm90", f"forced by {ENV_VAR}=gluon_sm90")
+    if not ok:
+        return Choice("triton", f"gluon_sm90 does not apply: {why}")
+    if triton_small_tiles_win(pseudo_heads, num_tokens, kv_fp8):
+        return Choice("triton", f"{pseudo_heads} pseudo-heads per tile < {GLUON_MIN_PSEUDO_HEADS} on {num_tokens} > "
+                                f"{GLUON_FEW_HEADS_MAX_TOKENS} tokens on the split schedule: the Triton kernel's smaller "
+                                "tiles are faster there (H200, results/gluon-v3.json)")
+    return Choice("gluon_sm90", why)
+
+
+def choose_backend(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None = None,
+                   pseudo_heads: int | None = None) -> Choice:
+    """``Choice(backend, reason)`` for a launch on these tensors, honouring ``SPARSE_MLA_MQA_BACKEND``.
 
     ``pseudo_heads``: rows of one attention tile (H per token; G * H grouped; default H). Automatic
     selection takes the Gluon kernel wherever it applies, except, on its split schedule, below
-    ``GLUON_MIN_PSEUDO_HEADS`` pseudo-heads on more than ``GLUON_FEW_HEADS_MAX_TOKENS`` tokens of a bf16 / fp16
-    cache (``triton_small_tiles_win``).
+    ``GLUON_MIN_PSEUDO_HEADS`` pseudo-heads on more than ``GLUON_FEW_HEADS_MAX_TOKENS`` tokens of a bf16 /
+    fp16 cache (``triton_small_tiles_win``).
 
     Raises:
         ValueError: the variable names an unknown backend, or forces one that does not apply here.
     """
-    forced = env.get(env.MQA_BACKEND).strip() or "auto"
-    if forced not in ("auto", *BACKENDS):
-        raise ValueError(f"{ENV_VAR} must be one of auto, {', '.join(BACKENDS)}; got {forced!r}")
-    ok, why = gluon_sm90_applies(q, kv, out)
-    if forced == "triton":
-        return "triton", f"forced by {ENV_VAR}=triton"
-    if forced == "gluon_sm90":
-        if not ok:
-            raise ValueError(f"{ENV_VAR}=gluon_sm90 but the Gluon kernel does not apply: {why}")
-        return "gluon_sm90", f"forced by {ENV_VAR}=gluon_sm90"
-    if not ok:
-        return "triton", f"gluon_sm90 does not apply: {why}"
     rows = q.shape[1] if pseudo_heads is None else pseudo_heads
-    if triton_small_tiles_win(rows, q.shape[0], kv.dtype == torch.uint8):
-        return "triton", (f"{rows} pseudo-heads per tile < {GLUON_MIN_PSEUDO_HEADS} on {q.shape[0]} > "
-                          f"{GLUON_FEW_HEADS_MAX_TOKENS} tokens on the split schedule: the Triton kernel's smaller "
-                          "tiles are faster there (H200, results/gluon-v3.json)")
-    return "gluon_sm90", why
+    return _rule(gluon_sm90_applies(q, kv, out), rows, q.shape[0], kv.dtype == torch.uint8)
+
+
+select_backend = deprecated_alias(choose_backend, "select_backend")
 
 
 def describe_backend(q: torch.Tensor, kv: torch.Tensor) -> str:
     """One line for ``explain()``: which attention backend runs on such tensors, and why."""
     try:
-        name, why = select_backend(q, kv)
+        return line(LABEL, choose_backend(q, kv))
     except ValueError as exc:
-        return f"attention backend: error ({exc})"
-    return f"attention backend: {name} ({why})"
+        return line(LABEL, ("error", exc))
 
 
 def describe_for_device(device: torch.device | None = None, dtype: torch.dtype = torch.bfloat16,
@@ -166,43 +186,25 @@ def describe_for_device(device: torch.device | None = None, dtype: torch.dtype =
     """The same line without tensors, for contiguous 16-byte aligned ones on ``device`` (default: the
     current CUDA device, else the CPU), for the per-token launch of ``num_heads`` heads over ``num_tokens``
     tokens when given (grouped tiles hold 128 pseudo-heads), on an fp8_ds_mla cache when ``kv_fp8``; what
-    ``sparse_mla.layer.explain`` prints."""
+    ``sparse_mla.layer.explain`` prints. The choice is ``choose_backend``'s rule on these facts."""
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    forced = env.get(env.MQA_BACKEND).strip() or "auto"
     ok, why = gluon_sm90_device_applies(device, dtype)
     if ok and kv_fp8:
         fp8_why = fp8_kv_reason(dtype)
         ok, why = ((True, why + f", fp8_ds_mla cache dequantized by the producer with {dtype} q (fp16 q: triton)")
                    if fp8_why is None else (False, fp8_why))
-    if forced != "auto":
-        return f"attention backend: {forced} (forced by {ENV_VAR}; gluon_sm90 {'applies' if ok else 'n/a: ' + why})"
-    if not ok:
-        return f"attention backend: triton (gluon_sm90 does not apply: {why})"
-    if num_heads is not None and num_tokens is not None and triton_small_tiles_win(num_heads, num_tokens, kv_fp8):
-        return (f"attention backend: gluon_sm90 for grouped tiles, triton per token ({num_heads} heads < "
-                f"{GLUON_MIN_PSEUDO_HEADS} on {num_tokens} > {GLUON_FEW_HEADS_MAX_TOKENS} tokens on the split "
-                f"schedule; {why})")
-    return f"attention backend: gluon_sm90 ({why})"
-
-
-def _sink_fallback(name: str, why: str, attn_sink, max_logits) -> tuple[str, str, dict]:
-    """(backend, reason, extra launch kwargs) once attn_sink / max_logits are asked for: the Gluon kernel
-    takes them when ``gluon_sm90.SUPPORTS_SINK`` is true (launch kwargs ``attn_sink=``, ``max_logits=``);
-    until then "auto" falls back to Triton and a forced gluon_sm90 raises."""
-    if attn_sink is None and max_logits is None:
-        return name, why, {}
-    extra = {"attn_sink": attn_sink, "max_logits": max_logits}
-    if name != "gluon_sm90":
-        return name, why, extra
-    from . import gluon_sm90
-
-    if getattr(gluon_sm90, "SUPPORTS_SINK", False):
-        return name, why, extra
-    missing = "the Gluon kernel does not take attn_sink / max_logits yet (gluon_sm90.SUPPORTS_SINK is false)"
-    if (env.get(env.MQA_BACKEND).strip() or "auto") == "gluon_sm90":
-        raise ValueError(f"{ENV_VAR}=gluon_sm90 but {missing}")
-    return "triton", missing, extra
+    try:
+        grouped = _rule((ok, why), 128, num_tokens or 0, kv_fp8)
+        if num_heads is None or num_tokens is None:
+            return line(LABEL, grouped)
+        per_token = _rule((ok, why), num_heads, num_tokens, kv_fp8)
+    except ValueError as exc:
+        return line(LABEL, ("error", exc))
+    if per_token.name == grouped.name:
+        return line(LABEL, per_token)
+    return line(LABEL, (f"{grouped.name} for grouped tiles, {per_token.name} per token",
+                        f"{per_token.reason}; {grouped.reason}"))
 
 
 def kv_split_missing(backend: str, *, grouped: bool, kv_fp8: bool) -> str | None:
@@ -223,39 +225,39 @@ def require_kv_split_runs(*, grouped: bool, kv_fp8: bool) -> None:
 
     Raises:
         ValueError: that case, with the reason."""
-    if (env.get(env.MQA_BACKEND).strip() or "auto") != "gluon_sm90":
+    if _forced() != "gluon_sm90":
         return
     missing = kv_split_missing("gluon_sm90", grouped=grouped, kv_fp8=kv_fp8)
     if missing is not None:
         raise ValueError(f"{ENV_VAR}=gluon_sm90 but {missing}; use kv_splits=1 or another backend")
 
 
-def launch_backend(q, kv, pseudo_heads: int, *, grouped: bool, kv_split: bool, kv_fp8: bool) -> tuple[str, str]:
-    """(backend, reason) of a launch of ``pseudo_heads`` rows per tile on such tensors, as ``per_token`` / ``grouped``
+def launch_backend(q, kv, pseudo_heads: int, *, grouped: bool, kv_split: bool, kv_fp8: bool) -> Choice:
+    """``Choice(backend, reason)`` of a launch of ``pseudo_heads`` rows per tile on such tensors, as ``per_token`` / ``grouped``
     decide it (the split fallback included; kv_fp8: an fp8_ds_mla cache dequantized in the kernel). For
     ``explain_fwd``; "error" with the reason where the selection raises."""
     try:
-        name, why = select_backend(q, kv, None, pseudo_heads=pseudo_heads)
+        name, why = choose_backend(q, kv, None, pseudo_heads=pseudo_heads)
     except ValueError as exc:
-        return "error", str(exc)
+        return Choice("error", str(exc))
     if kv_split:
         missing = kv_split_missing(name, grouped=grouped, kv_fp8=kv_fp8)
         if missing is not None:
-            return "triton", missing
-    return name, why
+            return Choice("triton", missing)
+    return Choice(name, why)
 
 
-def _split_fallback(name: str, why: str, kv_split, kv, grouped: bool) -> tuple[str, str]:
-    """(backend, reason) once split-KV partials are asked for: a backend without a split variant for the launch hands
+def _split_fallback(name: str, why: str, kv_split, kv, grouped: bool) -> Choice:
+    """``Choice(backend, reason)`` once split-KV partials are asked for: a backend without a split variant for the launch hands
     it to the Triton kernel; a forced gluon_sm90 without one raises."""
     if kv_split is None:
-        return name, why
+        return Choice(name, why)
     missing = kv_split_missing(name, grouped=grouped, kv_fp8=kv.dtype == torch.uint8)
     if missing is None:
-        return name, why
-    if (env.get(env.MQA_BACKEND).strip() or "auto") == "gluon_sm90":
+        return Choice(name, why)
+    if _forced() == "gluon_sm90":
         raise ValueError(f"{ENV_VAR}=gluon_sm90 but {missing}")
-    return "triton", missing
+    return Choice("triton", missing)
 
 
 def per_token(q, kv, indices, sm_scale: float, topk_length, out, lse, route=None, *,
@@ -266,8 +268,8 @@ def per_token(q, kv, indices, sm_scale: float, topk_length, out, lse, route=None
     attn_sink: [H] fp32 contiguous or None; max_logits: [T, H] fp32 (heads contiguous) or None, written
     when given. kv_split: ``sparse_mla.mqa.split_combine.SplitPartials`` or None: the launch writes its partials
     there (the caller combines). Semantics: ``sparse_mla.mqa.reference`` / ``triton_tl`` (module docstrings)."""
-    name, why, extra = _sink_fallback(*select_backend(q, kv, out), attn_sink, max_logits)
-    name, why = _split_fallback(name, why, kv_split, kv, False)
+    name, why = _split_fallback(*choose_backend(q, kv, out), kv_split, kv, False)
+    extra = {"attn_sink": attn_sink, "max_logits": max_logits}
     logger.debug("sparse MQA per-token: backend %s (%s)", name, why)
     if name == "gluon_sm90":
         from . import gluon_sm90
@@ -285,9 +287,8 @@ def grouped(q, kv, sm_scale: float, group_size: int, union_rows, union_bits, uni
     """Grouped sparse MQA (128 pseudo-heads = G queries x H heads over each group's union rows) on
     validated tensors; picks the backend, logs it, launches, and returns the backend's name.
     attn_sink / max_logits / kv_split as in ``per_token`` (pseudo-head p of a group uses attn_sink[p % H])."""
-    name, why, extra = _sink_fallback(*select_backend(q, kv, out, pseudo_heads=group_size * q.shape[1]),
-                                      attn_sink, max_logits)
-    name, why = _split_fallback(name, why, kv_split, kv, True)
+    name, why = _split_fallback(*choose_backend(q, kv, out, pseudo_heads=group_size * q.shape[1]), kv_split, kv, True)
+    extra = {"attn_sink": attn_sink, "max_logits": max_logits}
     logger.debug("sparse MQA grouped: backend %s (%s)", name, why)
     if name == "gluon_sm90":
         from . import gluon_sm90

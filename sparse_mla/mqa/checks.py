@@ -5,6 +5,8 @@ Every check runs before any kernel launch (``sparse_mla.checks`` has the generic
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -272,8 +274,8 @@ def validate_fwd_buffers(
     Raises:
         TypeError: a non-bool return_lse, a non-int group_size, a non-number overlap_guard, a
             non-tensor / wrong-dtype out or lse, a workspace that is not a ``SparseMLAWorkspace``.
-        ValueError: group_size out of range, a negative or non-finite overlap_guard, out / lse of the
-            wrong shape, device or layout or overlapping, a workspace on another device or too small.
+        ValueError: group_size out of range, a negative or NaN overlap_guard (-1.0 is accepted: the default), out /
+            lse of the wrong shape, device or layout or overlapping, a workspace on another device or too small.
     """
     from ..union.workspace import SparseMLAWorkspace  # on first use: it imports the union's kernel modules
 
@@ -287,10 +289,12 @@ def validate_fwd_buffers(
         raise ValueError(f"group_size must be in [1, {MAX_GROUP_SIZE}] with group_size * H <= 128 (one 128-row tile), "
                          f"got {G} with H = {H}")
     if overlap_guard is not None and not (not isinstance(overlap_guard, bool) and overlap_guard == -1.0):
-        g = require_finite_float("overlap_guard", overlap_guard, " >= 0 (union rows per mean list), -1 or None")
-        if g < 0:
-            raise ValueError(f"overlap_guard must be >= 0 (union rows per mean list), -1 (the default table) or None "
-                             f"(no guard), got {g}")
+        what = " >= 0 (union rows per mean list), math.inf (no guard) or None (the default table)"
+        if isinstance(overlap_guard, bool) or not isinstance(overlap_guard, numbers.Real):
+            require_finite_float("overlap_guard", overlap_guard, what)  # raises TypeError
+        g = float(overlap_guard)
+        if math.isnan(g) or g < 0:
+            raise ValueError(f"overlap_guard must be{what}, got {g}")
     if out is not None:
         check_tensor("out", out, dims="[T, H, d_v]", shape=(T, H, p.d_v), dtype=p.q.dtype, device=dev,
                      layout="last_dim", writable=True)

@@ -15,17 +15,18 @@ import torch
 
 from ..call_cache import replayed
 from ..checks import require_kernel_tensor
+from ..choices import Choice, explain_lines
 from ..kv_format import FP8_DS_MLA
-from ..kv_staging import GROUPED_UNION_RATIO_ESTIMATE, KV_DEQUANT_MODES, choose_kv_dequant, dequantize_rows
+from ..kv_staging import KV_DEQUANT_MODES, choose_kv_dequant, dequantize_rows, estimated_union_rows
 from ..union import backends as union_backends
 from ..union import probe as union_probe
-from ..union.grouping import default_group_size, overlap_guard_ratio
+from ..union.grouping import guard_ratio
 from ..union.planning import plan_groups
 from ..union.workspace import SparseMLAWorkspace, cached_workspace
 from . import backends as mqa_backends
 from .checks import SparseMLAProblem, check_sink_and_max_logits, validate_fwd_buffers, validate_sparse_mla_args
 from .kv_splits import choose_kv_splits, num_sms, require_kv_splits
-from .selection import resolve_method
+from .selection import choose_method
 from .split_combine import MAX_SPLIT_PARTIAL_BYTES, combine_splits, partial_bytes, split_partials
 from .triton_tl import D_V
 
@@ -49,7 +50,7 @@ def sparse_mla_fwd(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     group_size: int | None = None,
-    overlap_guard: float | None = -1.0,
+    overlap_guard: float | None = None,
     attn_sink: torch.Tensor | None = None,
     max_logits: torch.Tensor | None = None,
     kv_format: str | None = None,
@@ -94,8 +95,9 @@ def sparse_mla_fwd(
             streams at once.
         out / lse: optional preallocated outputs, [T, H, d_v] q.dtype and [T, H] fp32.
         group_size: queries per group (default ``default_group_size(H)``, 1..16).
-        overlap_guard: union rows / mean list length above which a group runs per token;
-            -1 = the default table (``sparse_mla.union.grouping.overlap_guard_ratio``), None = no guard.
+        overlap_guard: union rows / mean list length above which a group of a grouped call runs per token (a float
+            >= 0); None (default): the default table (``sparse_mla.union.grouping.overlap_guard_ratio``);
+            ``math.inf``: no guard (every union built and used). -1.0 is accepted as None (deprecated).
         attn_sink: optional [H] float32 on q's device: a per-head sink logit (natural units) added
             to the softmax denominator of out, out[t, h] *= 1 / (1 + exp(attn_sink[h] - lse[t, h]));
             -inf changes nothing, +inf gives out 0. lse and max_logits do not include it. A NaN entry
@@ -158,21 +160,21 @@ def sparse_mla_fwd(
         raise ValueError(f"kv_dequant must be one of {KV_DEQUANT_MODES}, got {kv_dequant!r}")
     require_kv_splits(kv_splits)
     T, H, D = p.q.shape
-    chosen, reason = resolve_method(method, H, T, group_size)
+    chosen, reason = choose_method(method, H, T, group_size)
     attn_sink = check_sink_and_max_logits(attn_sink, max_logits, T, H, q.device, check=check)
     # out / lse / workspace / flags, every one before any launch (checks.validate_fwd_buffers)
     G = validate_fwd_buffers(p, return_lse=return_lse, grouped=chosen == "grouped", group_size=group_size,
                              overlap_guard=overlap_guard, out=out, lse=lse, workspace=workspace,
                              extra_outputs={"max_logits": max_logits}, extra_inputs={"attn_sink": attn_sink})
     require_kernel_tensor("q", p.q)  # kv and out share its device and dtype
-    fp8_route = _fp8_route_choice(p, kv_dequant, chosen == "grouped", G) if p.kv_format is not None else None
+    fp8_route = _choose_fp8_route(p, kv_dequant, chosen == "grouped", G)
     S, split_reason = _choose_splits(p, chosen, G, out, kv_splits, fp8_route)  # raises before any launch
     if out is None:
         out = torch.empty(T, H, d_v, dtype=q.dtype, device=q.device)
     if lse is None and return_lse:
         lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if fp8_route is not None:
-        p, reason = _fp8_route(p, fp8_route, workspace, reason)
+        p, reason = _apply_fp8_route(p, fp8_route, workspace, reason)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("sparse_mla_fwd: T=%d H=%d K=%d kv_format=%s -> %s (%s); kv splits %d (%s)", T, H, p.topk,
                      kv_format, chosen, reason, S, split_reason)
@@ -185,29 +187,28 @@ def sparse_mla_fwd(
         mqa_backends.per_token(p.q, p.kv, p.indices, p.sm_scale, p.topk_length, out, lse, **extras)
     else:
         ws = workspace or cached_workspace(T, p.topk, G, p.num_kv_rows, q.device)
-        guard = overlap_guard_ratio(G) if overlap_guard == -1.0 else overlap_guard
-        _grouped_forward(p, G, ws, out, lse, guard, extras)
+        _grouped_forward(p, G, ws, out, lse, guard_ratio(overlap_guard, G), extras)
     if parts is not None:
         combine_splits(parts, out, lse, max_logits, attn_sink)
     return (out, lse) if return_lse else out
 
 
 def _choose_splits(p: SparseMLAProblem, chosen: str, G: int, out: torch.Tensor | None, kv_splits: int | None,
-                   fp8_route: tuple[str, str] | None):
-    """(S, reason) of a validated call: ``choose_kv_splits`` on its work items (per token: T lists of H heads;
-    grouped: T / G lists of G * H pseudo-heads over about K * GROUPED_UNION_RATIO_ESTIMATE union rows). Raises before
+                   fp8_route: Choice | None) -> Choice:
+    """``Choice(S, reason)`` of a validated call: ``choose_kv_splits`` on its work items (per token: T lists of H heads;
+    grouped: T / G lists of G * H pseudo-heads over ``estimated_union_rows(G * K, G)`` union rows). Raises before
     any launch where a forced S > 1 cannot run: the forced Gluon backend has no split variant for the launch, or the
     partials would pass ``MAX_SPLIT_PARTIAL_BYTES``."""
     T, H = p.num_tokens, p.num_heads
     if T == 0:
-        return 1, "no query row"
+        return Choice(1, "no query row")
     grouped = chosen == "grouped"
     if grouped:
-        lists, pseudo, rows = -(-T // G), G * H, int(p.topk * GROUPED_UNION_RATIO_ESTIMATE)
+        lists, pseudo, rows = -(-T // G), G * H, estimated_union_rows(G * p.topk, G)
     else:
         lists, pseudo, rows = T, H, p.topk
-    kv_fp8 = fp8_route is not None and fp8_route[0] == "in_kernel"
-    backend, _ = mqa_backends.select_backend(p.q, p.kv, out, pseudo_heads=pseudo)
+    kv_fp8 = fp8_route is not None and fp8_route.name == "in_kernel"
+    backend, _ = mqa_backends.choose_backend(p.q, p.kv, out, pseudo_heads=pseudo)
     missing = mqa_backends.kv_split_missing(backend, grouped=grouped, kv_fp8=kv_fp8)
     S, why = choose_kv_splits(kv_splits, num_lists=lists, pseudo_heads=pseudo, rows_per_list=rows,
                               sms=num_sms(p.q.device), split_capable=missing is None)
@@ -217,20 +218,21 @@ def _choose_splits(p: SparseMLAProblem, chosen: str, G: int, out: torch.Tensor |
             if kv_splits is not None:
                 raise ValueError(f"kv_splits={kv_splits} needs {need / 2**30:.1f} GiB of fp32 partials for T = {T}, "
                                  f"H = {H} (at most {MAX_SPLIT_PARTIAL_BYTES / 2**30:.0f} GiB): split fewer ways")
-            return 1, f"{why}, but its partials would take {need / 2**30:.1f} GiB"
+            return Choice(1, f"{why}, but its partials would take {need / 2**30:.1f} GiB")
         mqa_backends.require_kv_split_runs(grouped=grouped, kv_fp8=kv_fp8)
         if grouped:  # the request tails of a grouped call run the per-token kernel
             mqa_backends.require_kv_split_runs(grouped=False, kv_fp8=kv_fp8)
-    return S, why
+    return Choice(S, why)
 
 
 def explain_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_scale: float = 1.0, *,
                 method: str = "auto", group_size: int | None = None, kv_splits: int | None = None,
                 kv_format: str | None = None, kv_dequant: str = "auto",
-                cu_seqlens_q: torch.Tensor | None = None) -> str:
-    """What ``sparse_mla_fwd`` runs for these tensors and options, one line per decision (method, FP8 route, kv
-    splits, attention backend of the main launch) with its reason; the same functions decide as in the call, nothing
-    is launched.
+                cu_seqlens_q: torch.Tensor | None = None, overlap_guard: float | None = None) -> str:
+    """What ``sparse_mla_fwd`` runs for these tensors and options: one line per choice it makes, ``label: name
+    (reason)``, in the order and with the labels of ``sparse_mla.choices.DECISIONS`` (method, FP8 route, kv splits,
+    attention backend of the main launch; grouped: union builder and overlap guard). The same functions decide as in
+    the call; nothing is launched.
 
     Raises: what ``sparse_mla_fwd`` raises for these arguments before its first launch."""
     p = validate_sparse_mla_args(q, kv, indices, sm_scale, cu_seqlens_q=cu_seqlens_q, kv_format=kv_format)
@@ -238,27 +240,43 @@ def explain_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_sca
         raise ValueError(f"kv_dequant must be one of {KV_DEQUANT_MODES}, got {kv_dequant!r}")
     require_kv_splits(kv_splits)
     T, H, _ = p.q.shape
-    chosen, reason = resolve_method(method, H, T, group_size)
-    G = (group_size or default_group_size(H)) if chosen == "grouped" else 1
-    fp8_route = _fp8_route_choice(p, kv_dequant, chosen == "grouped", G) if p.kv_format is not None else None
-    S, split_reason = _choose_splits(p, chosen, G, None, kv_splits, fp8_route)
-    lines = [f"method: {chosen} ({reason})"]
+    decided = {"method": choose_method(method, H, T, group_size)}
+    grouped = decided["method"].name == "grouped"
+    G = validate_fwd_buffers(p, return_lse=False, grouped=grouped, group_size=group_size, overlap_guard=overlap_guard,
+                             out=None, lse=None, workspace=None)
+    G = G if grouped else 1
+    fp8_route = _choose_fp8_route(p, kv_dequant, grouped, G)
     if fp8_route is not None:
-        lines.append(f"FP8 cache: {fp8_route[0]} ({fp8_route[1]})")
-    name, why = mqa_backends.launch_backend(p.q, p.kv, G * H, grouped=chosen == "grouped", kv_split=S > 1,
-                                            kv_fp8=fp8_route is not None and fp8_route[0] == "in_kernel")
-    lines += [f"kv splits: {S} ({split_reason})", f"attention backend: {name} ({why}) [{G * H} pseudo-heads per tile]"]
-    return "\n".join(lines)
+        decided["FP8 cache"] = fp8_route
+    decided["kv splits"] = _choose_splits(p, decided["method"].name, G, None, kv_splits, fp8_route)
+    name, why = mqa_backends.launch_backend(p.q, p.kv, G * H, grouped=grouped, kv_split=decided["kv splits"].name > 1,
+                                            kv_fp8=fp8_route is not None and fp8_route.name == "in_kernel")
+    decided["attention backend"] = Choice(name, f"{why}; {G * H} pseudo-heads per tile")
+    if grouped:
+        ratio = guard_ratio(overlap_guard, G)
+        try:
+            decided["union builder"] = union_backends.choose_union_backend(p.q.device, G, p.topk, guard_ratio=ratio)
+        except ValueError as exc:
+            decided["union builder"] = Choice("error", str(exc))
+        if ratio is None:
+            decided["overlap guard"] = Choice("off", "overlap_guard=math.inf: every union built and used")
+        else:
+            source = "the default table" if overlap_guard is None else "overlap_guard="
+            decided["overlap guard"] = Choice(f"{ratio:g} x the mean list", f"{source} for G = {G}: a group with a "
+                                              "larger union runs per token, on the device")
+    return "\n".join(explain_lines(decided))
 
 
-def _fp8_route_choice(p: SparseMLAProblem, mode: str, grouped: bool, G: int) -> tuple[str, str]:
-    """("staged" | "in_kernel", reason) of an FP8 cache call (``choose_kv_dequant`` on the rows it gathers)."""
-    T, K, N = p.num_tokens, p.topk, p.num_kv_rows
-    gathered = T * K if not grouped else int(T * K / G * GROUPED_UNION_RATIO_ESTIMATE)
-    return choose_kv_dequant(mode, N, gathered, FP8_DS_MLA.d_qk * p.q.element_size())
+def _choose_fp8_route(p: SparseMLAProblem, mode: str, grouped: bool, G: int) -> Choice | None:
+    """``choose_kv_dequant`` on a call's FP8 cache (the cache's rows staged, its lists' rows gathered); None without
+    one."""
+    if p.kv_format is None:
+        return None
+    return choose_kv_dequant(mode, p.num_kv_rows, p.num_tokens * p.topk, FP8_DS_MLA.d_qk * p.q.element_size(),
+                             group_size=G if grouped else 1)
 
 
-def _fp8_route(p: SparseMLAProblem, route: tuple[str, str], workspace, reason: str):
+def _apply_fp8_route(p: SparseMLAProblem, route: Choice, workspace, reason: str):
     """The problem on the staged rows (kv_format None) or unchanged (in-kernel dequantization), and the reason."""
     name, why = route
     if name == "in_kernel":

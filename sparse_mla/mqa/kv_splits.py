@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..choices import Choice
+
 MAX_KV_SPLITS = 64  # the largest forced split count accepted (more only adds empty splits and combine work)
 TILE_PSEUDO_HEADS = 64  # pseudo-heads per work item (the Gluon kernels' BLOCK_H; the Triton kernel's 16-64 tiles)
 
@@ -71,36 +73,39 @@ def work_items(num_lists: int, pseudo_heads: int) -> int:
 
 
 def choose_kv_splits(kv_splits: int | None, *, num_lists: int, pseudo_heads: int, rows_per_list: int, sms: int,
-                     split_capable: bool = True, model: KVSplitModel | None = None) -> tuple[int, str]:
-    """(S, reason): the split count of a launch of ``num_lists`` lists of ``rows_per_list`` kv rows (top-k, or a
+                     split_capable: bool = True, model: KVSplitModel | None = None) -> Choice:
+    """``Choice(S, reason)``: the split count of a launch of ``num_lists`` lists of ``rows_per_list`` kv rows (top-k, or a
     group's estimated union) over ``pseudo_heads`` rows per list, on ``sms`` SMs.
 
     Args:
         kv_splits: the caller's value: an int forces S (validated by ``require_kv_splits``), None chooses by
             ``model`` (default ``KV_SPLIT_MODEL``).
-        split_capable: whether the attention backend that would run has a split-KV variant; None then gives 1.
+        split_capable: whether the attention backend that would run has a split-KV variant; without one S is 1.
+
+    Raises:
+        TypeError, ValueError: a forced ``kv_splits`` that ``require_kv_splits`` refuses.
     """
     forced = require_kv_splits(kv_splits)
     if forced is not None:
-        return forced, f"kv_splits={forced} forced"
+        return Choice(forced, f"kv_splits={forced} forced")
     m = model or KV_SPLIT_MODEL
     if not split_capable:
-        return 1, "the attention backend that runs here has no split-KV variant"
+        return Choice(1, "the attention backend that runs here has no split-KV variant")
     if sms <= 1:
-        return 1, "not a GPU: one program runs at a time, splitting only adds work"
+        return Choice(1, "not a GPU: one program runs at a time, splitting only adds work")
     w = work_items(num_lists, pseudo_heads)
     if w == 0:
-        return 1, "no work item"
+        return Choice(1, "no work item")
     by_fill = int(sms * m.waves) // w
     by_rows = rows_per_list // m.min_rows_per_split
     s = min(m.max_splits, by_fill, by_rows)
     if s < 2:
         if by_fill < 2:
-            return 1, f"{w} work items fill the {sms} SMs"
-        return 1, f"{rows_per_list} rows per list < 2 x {m.min_rows_per_split} rows per split"
+            return Choice(1, f"{w} work items fill the {sms} SMs")
+        return Choice(1, f"{rows_per_list} rows per list < 2 x {m.min_rows_per_split} rows per split")
     limit = ("max_splits" if s == m.max_splits else
              f"{sms} SMs / {w} work items" if s == by_fill else f"{rows_per_list} rows / {m.min_rows_per_split}")
-    return s, f"{w} work items on {sms} SMs: S = {s} splits of ~{-(-rows_per_list // s)} rows (bound: {limit})"
+    return Choice(s, f"{w} work items on {sms} SMs: S = {s} splits of ~{-(-rows_per_list // s)} rows (bound: {limit})")
 
 
 def _measured_time(times: dict[int, float], s: int) -> float:

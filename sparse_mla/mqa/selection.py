@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..choices import NEVER, Choice, deprecated_alias, line
 from ..union.grouping import default_group_size
 
 METHODS = ("auto", "per_token", "grouped")
-NEVER = 2**31  # a token count no step reaches
 
 
 @dataclass(frozen=True)
@@ -51,9 +51,9 @@ def grouping_rule(num_heads: int, rules: tuple[GroupingRule, ...] | None = None)
     return rules[-1]
 
 
-def resolve_method(method: str, num_heads: int, num_tokens: int, group_size: int | None = None,
-                   rules: tuple[GroupingRule, ...] | None = None) -> tuple[str, str]:
-    """Map ``method`` ("auto", "per_token", "grouped") to the kernel that runs, with the reason.
+def choose_method(method: str, num_heads: int, num_tokens: int, group_size: int | None = None,
+                  rules: tuple[GroupingRule, ...] | None = None) -> Choice:
+    """``Choice(kernel, reason)``: the kernel that runs for ``method`` ("auto", "per_token", "grouped").
 
     Args:
         method: the caller's method.
@@ -67,26 +67,30 @@ def resolve_method(method: str, num_heads: int, num_tokens: int, group_size: int
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if method != "auto":
-        return method, "forced by method="
+        return Choice(method, "forced by method=")
     G = group_size or default_group_size(num_heads)
     if G < 2 or G * num_heads > 128:
-        return "per_token", f"H = {num_heads} fills a 128-row tile alone (G = {G})"
+        return Choice("per_token", f"H = {num_heads} fills a 128-row tile alone (G = {G})")
     row = grouping_rule(num_heads, rules)
     if row.min_tokens >= NEVER:
-        return "per_token", (f"H = {num_heads}: grouping {G} queries per tile measured slower than per token at every "
-                             "step size (results/op-sweep-rule.json)")
+        return Choice("per_token", f"H = {num_heads}: grouping {G} queries per tile measured slower than per token at "
+                                   "every step size (results/op-sweep-rule.json)")
     if num_tokens < row.min_tokens:
-        return "per_token", f"T = {num_tokens} < {row.min_tokens} rows, where grouping starts to pay at H <= {row.max_heads}"
-    return "grouped", (f"T = {num_tokens} >= {row.min_tokens} at H = {num_heads}: G = {G} queries per tile; the overlap "
-                       "probe and guard send low-overlap steps and groups per token on the device")
+        return Choice("per_token", f"T = {num_tokens} < {row.min_tokens} rows, where grouping starts to pay at H <= "
+                                   f"{row.max_heads}")
+    return Choice("grouped", f"T = {num_tokens} >= {row.min_tokens} at H = {num_heads}: G = {G} queries per tile; the "
+                             "overlap probe and guard send low-overlap steps and groups per token on the device")
+
+
+resolve_method = deprecated_alias(choose_method, "resolve_method")
 
 
 def explain_method(num_heads: int, num_tokens: int, *, method: str = "auto", group_size: int | None = None,
                    has_cu_seqlens: bool = False) -> str:
     """One line: what ``sparse_mla_fwd(method=...)`` runs for such a call, and why."""
-    chosen, why = resolve_method(method, num_heads, num_tokens, group_size)
+    chosen, why = choose_method(method, num_heads, num_tokens, group_size)
     layout = "within requests (cu_seqlens_q)" if has_cu_seqlens else "token-major over all rows"
-    return f"method: {chosen} ({why})" + (f"; groups {layout}" if chosen == "grouped" else "")
+    return line("method", (chosen, why + (f"; groups {layout}" if chosen == "grouped" else "")))
 
 
 def fit_grouping_rules(points: list[dict], heads_buckets: tuple[int, ...] = (8, 16, 32, 64, 128),
@@ -130,5 +134,5 @@ def fit_grouping_rules(points: list[dict], heads_buckets: tuple[int, ...] = (8, 
     return tuple(out)
 
 
-__all__ = ["METHODS", "NEVER", "GroupingRule", "GROUPING_RULES", "grouping_rule", "resolve_method", "explain_method",
-           "fit_grouping_rules"]
+__all__ = ["METHODS", "NEVER", "GroupingRule", "GROUPING_RULES", "grouping_rule", "choose_method", "resolve_method",
+           "explain_method", "fit_grouping_rules"]

@@ -18,8 +18,8 @@ cannot hold every kept union (e.g. G = 16, K = 2048 without a guard), it still r
 whose union overflows its capacity run per token (exact, but grouped less than the Triton builder
 would). Each call logs one debug line (logger ``sparse_mla``) naming the backend and why.
 
-The decision itself (``choose_union_backend``) is plain Python over ``UnionDeviceFacts``, so it is
-tested on the CPU.
+The decision itself (``choose_union_backend``, ``Choice(backend, reason)``) is plain Python over
+``UnionDeviceFacts``, so it is tested on the CPU.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import call_cache, env
+from ..choices import Choice, deprecated_alias, line
 from . import cuda_smem, triton_tl
 from .grouping import default_group_size, overlap_guard_ratio
 
@@ -39,6 +40,7 @@ logger = logging.getLogger("sparse_mla")
 BACKENDS = ("triton", "cuda_smem")
 ENV_VAR = env.UNION_BACKEND.name
 MIN_CAPABILITY = (8, 0)
+LABEL = "union builder"  # its row of sparse_mla.choices.DECISIONS
 
 
 @dataclass(frozen=True)
@@ -111,48 +113,47 @@ def cuda_smem_applies(facts: UnionDeviceFacts, group_size: int, topk: int, guard
     return True, False, f"{table} < {what}: larger unions would run per token"
 
 
-def choose_union_backend(mode: str, facts: UnionDeviceFacts, group_size: int, topk: int, *,
-                         guard_ratio: float | None = None, complete: bool = False) -> tuple[str, str]:
-    """(backend, reason) for ``mode`` ("auto", "triton", "cuda_smem") on a device with ``facts``.
+def choose_union_backend(device: torch.device | str | UnionDeviceFacts, group_size: int, topk: int, *,
+                         guard_ratio: float | None = None, complete: bool = False, mode: str | None = None) -> Choice:
+    """``Choice(backend, reason)`` for a union build of G = ``group_size`` lists of ``topk`` entries.
+
+    Args:
+        device: the indices' device, or its ``UnionDeviceFacts`` (the rule is plain Python over them).
+        guard_ratio: the overlap guard's ratio (None: no guard); complete: every union must be built
+            (``build_group_union``).
+        mode: "auto", "triton" or "cuda_smem"; None reads ``SPARSE_MLA_UNION_BACKEND``.
 
     Raises:
         ValueError: an unknown mode; "cuda_smem" forced where it cannot run, or with
             ``complete=True`` where its table cannot hold every entry.
     """
+    facts = device if isinstance(device, UnionDeviceFacts) else device_facts(device)
+    mode = env.get(env.UNION_BACKEND) if mode is None else mode
     mode = (mode or "auto").strip() or "auto"
     if mode not in ("auto", *BACKENDS):
         raise ValueError(f"{ENV_VAR} must be one of auto, {', '.join(BACKENDS)}; got {mode!r}")
     if mode == "triton":
-        return "triton", f"forced by {ENV_VAR}=triton"
+        return Choice("triton", f"forced by {ENV_VAR}=triton")
     runnable, fits, why = cuda_smem_applies(facts, group_size, topk, guard_ratio, complete)
     if mode == "cuda_smem":
         if not runnable or (complete and not fits):
             raise ValueError(f"{ENV_VAR}=cuda_smem but the CUDA union builder cannot run here: {why}")
-        return "cuda_smem", f"forced by {ENV_VAR}=cuda_smem; {why}"
+        return Choice("cuda_smem", f"forced by {ENV_VAR}=cuda_smem; {why}")
     if runnable and fits:
-        return "cuda_smem", why
-    return "triton", f"cuda_smem does not apply: {why}"
+        return Choice("cuda_smem", why)
+    return Choice("triton", f"cuda_smem does not apply: {why}")
 
 
-def select_union_backend(device: torch.device | str, group_size: int, topk: int, *,
-                         guard_ratio: float | None = None, complete: bool = False) -> tuple[str, str]:
-    """(backend, reason) for a union build on ``device``, honouring ``SPARSE_MLA_UNION_BACKEND``.
-
-    Raises:
-        ValueError: as ``choose_union_backend``.
-    """
-    return choose_union_backend(env.get(env.UNION_BACKEND), device_facts(device), group_size, topk,
-                                guard_ratio=guard_ratio, complete=complete)
+select_union_backend = deprecated_alias(choose_union_backend, "select_union_backend")
 
 
 def describe_union_backend(device: torch.device | str, group_size: int, topk: int,
                            guard_ratio: float | None = None) -> str:
     """One line: which union builder runs for such a call, and why."""
     try:
-        name, why = select_union_backend(device, group_size, topk, guard_ratio=guard_ratio)
+        return line(LABEL, choose_union_backend(device, group_size, topk, guard_ratio=guard_ratio))
     except ValueError as exc:
-        return f"union builder: error ({exc})"
-    return f"union builder: {name} ({why})"
+        return line(LABEL, ("error", exc))
 
 
 def describe_for_step(num_heads: int, topk: int, device: torch.device | None = None) -> str:
@@ -191,7 +192,7 @@ def build_union(
            env.interpreted(), call_cache.generation())
     chosen = _CHOSEN.get(key)
     if chosen is None:
-        chosen = _CHOSEN[key] = select_union_backend(indices.device, group_size, indices.shape[1],
+        chosen = _CHOSEN[key] = choose_union_backend(indices.device, group_size, indices.shape[1],
                                                      guard_ratio=guard_ratio, complete=complete)
     name, why = chosen
     if logger.isEnabledFor(logging.DEBUG):

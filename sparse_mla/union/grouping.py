@@ -1,11 +1,15 @@
 """How the grouped path groups queries: the group size and the per-group overlap guard (plain Python).
 
 ``default_group_size`` is G, the queries that share one 128-pseudo-head tile; ``overlap_guard_ratio`` is the
-per-group fallback the union builders apply: a group whose union holds too many rows runs per token. Importing
+per-group fallback the union builders apply: a group whose union holds too many rows runs per token;
+``guard_ratio`` maps ``sparse_mla_fwd``'s ``overlap_guard`` onto it. Importing
 this module decorates no kernel (``sparse_mla.union.backends`` and the layer's ``explain`` use it as plain Python).
 """
 
 from __future__ import annotations
+
+import math
+import warnings
 
 MAX_GROUP_SIZE = 16  # queries per group at most (``default_group_size`` caps G here)
 
@@ -28,3 +32,17 @@ def overlap_guard_ratio(group_size: int) -> float:
     """Union rows / mean valid rows per query above which a group runs per token
     (``GUARD_FRACTION_OF_G * group_size``, at least ``GUARD_MIN_LISTS``)."""
     return max(GUARD_FRACTION_OF_G * group_size, GUARD_MIN_LISTS)
+
+
+def guard_ratio(overlap_guard: float | None, group_size: int) -> float | None:
+    """The ratio the union builders apply (None: no guard) for ``sparse_mla_fwd``'s ``overlap_guard``: None ->
+    ``overlap_guard_ratio(group_size)``; ``math.inf`` -> None (every union built and used); a float >= 0 -> itself;
+    -1.0 (the former default) -> as None, with a ``DeprecationWarning``. ``overlap_guard`` is validated by
+    ``sparse_mla.mqa.checks.validate_fwd_buffers``."""
+    if overlap_guard is not None and not isinstance(overlap_guard, bool) and overlap_guard == -1.0:
+        warnings.warn("overlap_guard=-1.0 is deprecated: None (the default) selects the default table",
+                      DeprecationWarning, stacklevel=3)
+        overlap_guard = None
+    if overlap_guard is None:
+        return overlap_guard_ratio(group_size)
+    return None if math.isinf(overlap_guard) else float(overlap_guard)

@@ -6,6 +6,8 @@ tests/integration/test_gpu_integration.py.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from testlib.device import DEVICE, DTYPE, HAS_CUDA
@@ -53,14 +55,14 @@ def test_mixed_decode_prefill_step_equals_separate_calls():
     # no overlap guard (it would decide per group on the lists' overlap; tests/mqa/test_grouped.py covers it): the
     # planned groups themselves are checked here
     sparse_mla_fwd(p.q, p.kv, p.indices, p.sm_scale, topk_length=p.topk_length, method="grouped",
-                   cu_seqlens_q=cu, workspace=ws, out=out, lse=lse, overlap_guard=None)
+                   cu_seqlens_q=cu, workspace=ws, out=out, lse=lse, overlap_guard=math.inf)
     # groups stay inside the 9-token request (rows 1-4 and 5-8), its row 9 and every other request run per token
     assert ws.group_start[:2].tolist() == [1, 5] and ws.group_len.tolist() == [4, 4, 0, 0]
     assert ws.route[:T].tolist() == [1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1]
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
         o_r, l_r = sparse_mla_fwd(p.q[a:b], p.kv, p.indices[a:b], p.sm_scale, topk_length=p.topk_length[a:b],
                                   method="grouped", cu_seqlens_q=torch.tensor([0, b - a], dtype=torch.int32, device=DEVICE),
-                                  return_lse=True, overlap_guard=None)
+                                  return_lse=True, overlap_guard=math.inf)
         assert torch.equal(out[a:b], o_r), f"request rows {a}:{b}: mixed step differs from its own call"
         assert torch.equal(lse[a:b], l_r)
     ref_out, ref_lse = sparse_mla_ref(p.q, p.kv, p.indices, p.sm_scale, topk_length=p.topk_length)

@@ -131,12 +131,12 @@ def test_forced_unsupported_falls_back():
     assert d.fell_back and d.requested == "dense_mha" and d.path == "mqa_grouped"
     assert "does not support" in d.reason and "32768 > topk 2048" in d.reason
     with pytest.warns(PathFallbackWarning, match="fell back to mqa_grouped"):
-        dispatch.decide_and_log(s, "dense_mha")
+        dispatch.explain(s, "dense_mha", describe_backends=False, log=True)
     d = explain(step(tp=1, new=(32768,)), "mqa_grouped")
     assert d.fell_back and d.path == "mqa_per_token"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert not dispatch.decide_and_log(s, "mqa_per_token").fell_back
+        assert not dispatch.explain(s, "mqa_per_token", describe_backends=False, log=True).fell_back
 
 
 def test_unknown_names(monkeypatch):
@@ -291,7 +291,7 @@ def test_fallback_warning_is_an_error_in_the_suite():
     """pyproject's filterwarnings turns PathFallbackWarning into an error: a test that forces a path which
     then falls back fails instead of passing on the fallback's result."""
     with pytest.raises(PathFallbackWarning, match="fell back"):
-        dispatch.decide_and_log(step(new=(32768,)), "dense_mha")
+        dispatch.explain(step(new=(32768,)), "dense_mha", describe_backends=False, log=True)
 
 
 def test_calibration_edge_cases(monkeypatch):

@@ -14,9 +14,9 @@ def _qkv(H=16, D=576, dtype=torch.bfloat16):
 
 def test_auto_picks_gluon_on_hopper(hopper):
     q, kv = _qkv(H=64)
-    name, why = backends.select_backend(q, kv)
+    name, why = backends.choose_backend(q, kv)
     assert name == "gluon_sm90" and "sm_90" in why
-    assert backends.select_backend(*_qkv(H=16), pseudo_heads=128)[0] == "gluon_sm90"  # a grouped tile
+    assert backends.choose_backend(*_qkv(H=16), pseudo_heads=128)[0] == "gluon_sm90"  # a grouped tile
 
 
 def test_few_heads_per_tile_stay_on_triton_on_the_split_schedule_only(hopper, monkeypatch):
@@ -25,34 +25,34 @@ def test_few_heads_per_tile_stay_on_triton_on_the_split_schedule_only(hopper, mo
     T = backends.GLUON_FEW_HEADS_MAX_TOKENS + 1
     q, kv = torch.zeros(T, 16, 576, dtype=torch.bfloat16), torch.zeros(100, 576, dtype=torch.bfloat16)
     monkeypatch.setattr(gluon_sm90.config, "SCHEDULE", "split")
-    name, why = backends.select_backend(q, kv)
+    name, why = backends.choose_backend(q, kv)
     assert name == "triton" and "pseudo-heads per tile" in why and "split schedule" in why
-    assert backends.select_backend(q[: T - 1], kv)[0] == "gluon_sm90"  # a short step fills more of the GPU this way
+    assert backends.choose_backend(q[: T - 1], kv)[0] == "gluon_sm90"  # a short step fills more of the GPU this way
     assert "triton per token" in backends.describe_for_device(q.device, num_heads=16, num_tokens=T)
     monkeypatch.setattr(gluon_sm90.config, "SCHEDULE", "pair")
-    assert backends.select_backend(q, kv)[0] == "gluon_sm90"
+    assert backends.choose_backend(q, kv)[0] == "gluon_sm90"
     assert "triton per token" not in backends.describe_for_device(q.device, num_heads=16, num_tokens=T)
 
 
 @pytest.mark.parametrize("cap", [(8, 0), (10, 0), (12, 0)])
 def test_other_gpus_get_triton_with_the_reason(hopper, monkeypatch, cap):
     monkeypatch.setattr(backends, "_capability", lambda device: cap)
-    name, why = backends.select_backend(*_qkv())
+    name, why = backends.choose_backend(*_qkv())
     assert name == "triton" and f"{cap[0]}.{cap[1]}" in why
 
 
 def test_unsupported_triton_version_names_it(hopper, monkeypatch):
     monkeypatch.setattr(gluon_sm90, "triton_version_supported", lambda version=None: False)
-    name, why = backends.select_backend(*_qkv())
+    name, why = backends.choose_backend(*_qkv())
     assert name == "triton" and "triton" in why and "3.6" in why
 
 
 def test_interpreter_and_cpu_get_triton(monkeypatch):
     monkeypatch.delenv(backends.ENV_VAR, raising=False)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert backends.select_backend(*_qkv())[0] == "triton"
+    assert backends.choose_backend(*_qkv())[0] == "triton"
     monkeypatch.delenv("TRITON_INTERPRET")
-    name, why = backends.select_backend(*_qkv())
+    name, why = backends.choose_backend(*_qkv())
     assert name == "triton" and "cpu" in why
 
 
@@ -72,22 +72,22 @@ def test_layouts_the_kernel_cannot_take_fall_back(hopper, bad, expect):
         q = torch.zeros(4 * 64 * 576 + 1, dtype=torch.bfloat16)[1:].view(4, 64, 576)
     elif bad == "q_last_dim":
         q = torch.zeros(4, 64, 576, 2, dtype=torch.bfloat16)[..., 0]
-    name, why = backends.select_backend(q, kv)
+    name, why = backends.choose_backend(q, kv)
     assert name == "triton" and expect in why, why
 
 
 def test_forcing(hopper, monkeypatch):
     q, kv = _qkv(H=64)
     monkeypatch.setenv(backends.ENV_VAR, "triton")
-    assert backends.select_backend(q, kv) == ("triton", f"forced by {backends.ENV_VAR}=triton")
+    assert backends.choose_backend(q, kv) == ("triton", f"forced by {backends.ENV_VAR}=triton")
     monkeypatch.setenv(backends.ENV_VAR, "gluon_sm90")
-    assert backends.select_backend(q, kv)[0] == "gluon_sm90"
+    assert backends.choose_backend(q, kv)[0] == "gluon_sm90"
     monkeypatch.setattr(backends, "_capability", lambda device: (8, 0))
     with pytest.raises(ValueError, match="does not apply: compute capability 8.0"):
-        backends.select_backend(q, kv)
+        backends.choose_backend(q, kv)
     monkeypatch.setenv(backends.ENV_VAR, "cuda")
     with pytest.raises(ValueError, match=backends.ENV_VAR):
-        backends.select_backend(q, kv)
+        backends.choose_backend(q, kv)
 
 
 def test_describe_backend_says_which_and_why(monkeypatch):

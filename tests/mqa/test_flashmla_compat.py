@@ -10,6 +10,8 @@ GPU run: ``python3 -m pytest -q tests/mqa/test_flashmla_compat.py -m gpu``.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from testlib.device import DEVICE, DTYPE, HAS_CUDA
@@ -45,13 +47,9 @@ def gpu_only(cases: list) -> list:
 
 
 def gluon_unavailable(q: torch.Tensor, kv: torch.Tensor) -> str | None:
-    """Why the Gluon backend cannot run these FlashMLA-style inputs with attn_sink / max_logits (None: it can)."""
+    """Why the Gluon backend cannot run these FlashMLA-style inputs (None: it can)."""
     ok, why = backends.gluon_sm90_applies(q, kv[:, 0] if kv.dim() == 3 else kv)
-    if not ok:
-        return f"gluon_sm90 does not apply: {why}"
-    if not getattr(gluon_sm90, "SUPPORTS_SINK", False):
-        return "the Gluon kernel does not take attn_sink / max_logits yet (gluon_sm90.SUPPORTS_SINK is false)"
-    return None
+    return None if ok else f"gluon_sm90 does not apply: {why}"
 
 
 @pytest.fixture(params=["triton", pytest.param("gluon_sm90", marks=needs_gpu)])
@@ -193,7 +191,7 @@ def test_empty_problem():
     assert out.shape == (0, 4, 512) and max_logits.shape == lse.shape == (0, 4)
 
 
-@pytest.mark.parametrize("method, guard", [("grouped", None), ("grouped", 1.2), ("per_token", None)])
+@pytest.mark.parametrize("method, guard", [("grouped", math.inf), ("grouped", 1.2), ("per_token", None)])
 def test_sparse_mla_fwd_sink_and_max_logits(method, guard):
     """attn_sink / max_logits through sparse_mla_fwd into NaN-poisoned out / lse / max_logits, grouped (every
     group on the union tile, or most sent per token by a tight overlap guard) and per token; this API's
@@ -217,7 +215,7 @@ def test_sparse_mla_fwd_sink_and_max_logits(method, guard):
                    out=out, lse=lse, return_lse=True, workspace=ws)
     if method == "grouped":  # route 0: the token ran on a union tile; otherwise per token
         ran_grouped = (ws.route[:T] == 0).cpu()
-        assert ran_grouped[:8].all() and (ran_grouped[8:].all() if guard is None else not ran_grouped[8:].any())
+        assert ran_grouped[:8].all() and (ran_grouped[8:].all() if guard == math.inf else not ran_grouped[8:].any())
     ref_out, ref_lse, ref_max = sparse_mla_ref(q, kv, idx, 0.5, attn_sink=sink, return_max_logits=True)
     assert ref_lse[5].eq(-INF).all() and ref_max[5].eq(-INF).all()
     assert_allclose_flashmla("out", out, ref_out, **TOLERANCES["out"])
@@ -297,24 +295,8 @@ def _launch_both(H=64):
     return a, b
 
 
-def test_sink_falls_back_to_triton_until_gluon_supports_it(hopper, monkeypatch):
-    monkeypatch.delattr(gluon_sm90, "SUPPORTS_SINK", raising=False)
-    assert _launch_both() == ("triton", "triton")
-    assert all("attn_sink" in k and "max_logits" in k for _, k in hopper)
-    q, kv = torch.zeros(4, 64, 576, dtype=torch.bfloat16), torch.zeros(100, 576, dtype=torch.bfloat16)
-    assert backends.per_token(q, kv, torch.zeros(4, 8, dtype=torch.int32), 0.1, None,
-                              torch.zeros(4, 64, 512, dtype=torch.bfloat16), None) == "gluon_sm90"  # no sink: Gluon
-
-
-def test_forcing_gluon_without_sink_support_raises(hopper, monkeypatch):
-    monkeypatch.setattr(gluon_sm90, "SUPPORTS_SINK", False, raising=False)
-    monkeypatch.setenv(backends.ENV_VAR, "gluon_sm90")
-    with pytest.raises(ValueError, match="SUPPORTS_SINK"):
-        _launch_both()
-
-
-def test_gluon_gets_sink_kwargs_once_supported(hopper, monkeypatch):
-    monkeypatch.setattr(gluon_sm90, "SUPPORTS_SINK", True, raising=False)
+def test_gluon_gets_sink_kwargs(hopper):
+    """The Gluon kernel computes attn_sink / max_logits itself: the launch hands them over, no fallback."""
     assert _launch_both() == ("gluon_sm90", "gluon_sm90")
     assert all(name == "gluon_sm90" and k["attn_sink"] is not None and k["max_logits"] is not None for name, k in hopper)
 
@@ -372,7 +354,7 @@ def test_grouped_sink_gpu(H, mqa_backend):
     sink = torch.randn(H, generator=g).to(DEVICE)
     sink[:2] = torch.tensor([INF, -INF])
     max_logits = torch.full((T, H), float("nan"), device=DEVICE)
-    out, lse = sparse_mla_fwd(q, kv, idx, 0.5, method="grouped", overlap_guard=None, attn_sink=sink,
+    out, lse = sparse_mla_fwd(q, kv, idx, 0.5, method="grouped", overlap_guard=math.inf, attn_sink=sink,
                               max_logits=max_logits, return_lse=True)
     ref_out, ref_lse, ref_max = sparse_mla_ref(q, kv, idx, 0.5, attn_sink=sink, return_max_logits=True)
     assert_allclose_flashmla("out", out, ref_out, **TOLERANCES["out"])

@@ -12,6 +12,8 @@ on and off).
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from testlib.adversarial import adversarial_indices, garbage_topk_length
@@ -112,12 +114,12 @@ def test_per_token_matches_reference_and_twin(monkeypatch, T, H, d_qk, K, N, dty
 
 
 GROUPED = [  # (H, K, lengths or None, T, keep, guard)
-    pytest.param(16, 130, [3, 0, 19, 8], None, 0.8, -1.0, id="H16-cu-3,0,19,8"),
-    pytest.param(16, 2048, None, 21, 0.8, None, id="H16-K2048-token-major-tail5"),
-    pytest.param(8, 100, [33, 16], None, 0.9, -1.0, id="H8-G16-cu-33,16"),
-    pytest.param(32, 70, None, 11, 0.5, None, id="H32-G4-token-major-tail3"),
-    pytest.param(64, 90, [5, 4], None, 0.9, -1.0, id="H64-G2-cu-5,4"),
-    pytest.param(16, 64, None, 16, 0.0, -1.0, id="H16-disjoint-guard-all-per-token"),
+    pytest.param(16, 130, [3, 0, 19, 8], None, 0.8, None, id="H16-cu-3,0,19,8"),
+    pytest.param(16, 2048, None, 21, 0.8, math.inf, id="H16-K2048-token-major-tail5"),
+    pytest.param(8, 100, [33, 16], None, 0.9, None, id="H8-G16-cu-33,16"),
+    pytest.param(32, 70, None, 11, 0.5, math.inf, id="H32-G4-token-major-tail3"),
+    pytest.param(64, 90, [5, 4], None, 0.9, None, id="H64-G2-cu-5,4"),
+    pytest.param(16, 64, None, 16, 0.0, None, id="H16-disjoint-guard-all-per-token"),
 ]
 
 
@@ -189,5 +191,5 @@ def test_persistent_ctas_over_items_of_every_length(monkeypatch, method, H, K):
     monkeypatch.setitem(gluon_sm90.launcher._NUM_SMS, str(p.q.device), 3)
     kw = dict(method=method)
     if method == "grouped":
-        kw |= dict(cu_seqlens_q=cu_seqlens([20, 0, 17, 4]), overlap_guard=None)
+        kw |= dict(cu_seqlens_q=cu_seqlens([20, 0, 17, 4]), overlap_guard=math.inf)
     _compare(monkeypatch, p, **kw)

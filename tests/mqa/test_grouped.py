@@ -12,6 +12,7 @@ at the end run past the CUDA grid limits.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -38,7 +39,7 @@ class Case:
     lists: str = "neighbour"  # neighbour | disjoint | identical | mixed
     padded: bool = False  # adversarial padding patterns (testlib.adversarial.adversarial_indices)
     topk_length: bool = False  # lengths with garbage after them
-    guard: float | None = -1.0  # sparse_mla_fwd's overlap_guard: -1 default table, 0.0 all per token, None off
+    guard: float | None = None  # sparse_mla_fwd's overlap_guard: None default table, 0.0 all per token, inf off
     return_lse: bool = True
     group_size: int | None = None
 
@@ -49,17 +50,17 @@ class Case:
 
 CASES = [
     pytest.param(Case(16, 70, [3, 0, 19, 5], padded=True, topk_length=True), id="H16-cu-3,0,19,5-padded-topklen-guard"),
-    pytest.param(Case(16, 70, None, T=19, guard=None, return_lse=False), id="H16-tokenmajor19-tail3-noguard-nolse"),
-    pytest.param(Case(8, 40, None, T=21, topk_length=True, guard=None), id="H8-tokenmajor21-tail5-topklen-noguard"),
+    pytest.param(Case(16, 70, None, T=19, guard=math.inf, return_lse=False), id="H16-tokenmajor19-tail3-noguard-nolse"),
+    pytest.param(Case(8, 40, None, T=21, topk_length=True, guard=math.inf), id="H8-tokenmajor21-tail5-topklen-noguard"),
     pytest.param(Case(8, 40, [17, 4], padded=True, guard=0.0), id="H8-cu-17,4-guard-forced"),
-    pytest.param(Case(8, 40, None, T=5, padded=True, guard=None), id="H8-tokenmajor5-one-short-group"),
-    pytest.param(Case(32, 70, [9, 0, 2, 6], lists="disjoint", guard=None), id="H32-cu-9,0,2,6-disjoint-noguard"),
+    pytest.param(Case(8, 40, None, T=5, padded=True, guard=math.inf), id="H8-tokenmajor5-one-short-group"),
+    pytest.param(Case(32, 70, [9, 0, 2, 6], lists="disjoint", guard=math.inf), id="H32-cu-9,0,2,6-disjoint-noguard"),
     pytest.param(Case(32, 70, None, T=10, lists="mixed"), id="H32-tokenmajor10-mixed-overlap-guard"),
     pytest.param(Case(64, 70, [1, 6, 3], lists="identical", return_lse=False), id="H64-cu-1,6,3-identical"),
     pytest.param(Case(64, 65, None, T=7, padded=True, topk_length=True), id="H64-tokenmajor7-padded-topklen"),
     pytest.param(Case(16, 70, [3, 5, 7], padded=True), id="H16-cu-all-requests-shorter-than-G"),
-    pytest.param(Case(16, 70, None, T=10, guard=None, group_size=3), id="H16-group_size3"),
-    pytest.param(Case(24, 70, None, T=11, padded=True, guard=None), id="H24-G5-tokenmajor11"),
+    pytest.param(Case(16, 70, None, T=10, guard=math.inf, group_size=3), id="H16-group_size3"),
+    pytest.param(Case(24, 70, None, T=11, padded=True, guard=math.inf), id="H24-G5-tokenmajor11"),
     pytest.param(Case(128, 70, None, T=3, padded=True), id="H128-G1"),
 ]
 
@@ -121,6 +122,11 @@ def _expected_plan(case: Case, G: int) -> list[tuple[int, int]]:
     return plan
 
 
+def _ratio(guard: float | None, G: int) -> float | None:
+    """The guard ratio of ``sparse_mla_fwd(overlap_guard=guard)``: None the default table, inf no guard."""
+    return overlap_guard_ratio(G) if guard is None else None if math.isinf(guard) else guard
+
+
 def _expected_guarded(plan, sets, ratio: float | None) -> list[bool]:
     """Per group: True when the overlap guard sends it per token (union rows per mean valid list > ratio)."""
     if ratio is None:
@@ -149,7 +155,7 @@ def test_grouped_matches_reference_and_per_token(case: Case, union_backend):
 
     # how the work was split: groups as planned, guard decisions as recomputed from the lists
     plan = _expected_plan(case, G)
-    ratio = overlap_guard_ratio(G) if case.guard == -1.0 else case.guard
+    ratio = _ratio(case.guard, G)
     guarded = _expected_guarded(plan, _valid_sets(p), ratio)
     n = len(plan)
     assert ws.group_start[:n].tolist() == [s for s, _ in plan]
@@ -159,7 +165,7 @@ def test_grouped_matches_reference_and_per_token(case: Case, union_backend):
     for (s, ln), gd in zip(plan, guarded):
         grouped_tokens[s:s + ln] = not gd
     assert torch.equal(ws.route[:T].cpu() != 0, ~grouped_tokens), "route must mark exactly the per-token rows"
-    if case.guard is None and case.lengths is None:
+    if case.guard == math.inf and case.lengths is None:
         assert grouped_tokens.all()
 
     # the grouped result is the per-token result up to summation order
@@ -173,13 +179,34 @@ def test_overlap_guard_case_table_covers_both_decisions():
     decisions = set()
     for param in CASES:
         case = param.values[0]
-        if case.guard is None:
+        if case.guard == math.inf:
             continue
         p = _build(case, seed=case.H * 7 + case.K)
         G = case.group_size or default_group_size(case.H)
-        ratio = overlap_guard_ratio(G) if case.guard == -1.0 else case.guard
+        ratio = _ratio(case.guard, G)
         decisions.update(_expected_guarded(_expected_plan(case, G), _valid_sets(p), ratio))
     assert decisions == {True, False}
+
+
+def test_overlap_guard_none_is_the_default_table():
+    """overlap_guard=None (the default) applies the default table, as the deprecated -1.0 does; math.inf turns the
+    guard off; a float is the ratio itself. Disjoint lists: the default table sends both groups per token."""
+    H, K, N, T = 16, 64, 400, 16
+    G = default_group_size(H)
+    p = make_problem(T, H, K, N, seed=5, indices=neighbour_rows(T, K, N, 0.0, generator=torch.Generator().manual_seed(3)))
+
+    def group_lens(**kw):
+        ws = SparseMLAWorkspace.for_problem(T, K, H, N, DEVICE)
+        run_checked(p, method="grouped", workspace=ws, **kw)
+        return ws.group_len[:T // G].tolist()
+
+    default = group_lens()
+    assert default == [0, 0]
+    assert group_lens(overlap_guard=None) == default == group_lens(overlap_guard=overlap_guard_ratio(G))
+    with pytest.warns(DeprecationWarning, match="overlap_guard=-1.0"):
+        assert group_lens(overlap_guard=-1.0) == default
+    assert group_lens(overlap_guard=math.inf) == [G, G]
+    assert group_lens(overlap_guard=float(G)) == [G, G]  # a union of at most G mean lists always fits
 
 
 @pytest.mark.parametrize("N", [pytest.param(2**28, id="N2^28"), pytest.param(2**31, id="N2^31-row-INT_MAX-valid")])
@@ -202,7 +229,7 @@ def test_huge_kv_rows_end_to_end(N):
     idx = idx.to(DEVICE)
     ws = SparseMLAWorkspace.for_problem(T, K, H, N, DEVICE)
     out_big, lse_big, out, lse = poisoned_views(T, H, pad_tokens=8)
-    sparse_mla_fwd(q, kv, idx, 576**-0.5, return_lse=True, method="grouped", workspace=ws, overlap_guard=None,
+    sparse_mla_fwd(q, kv, idx, 576**-0.5, return_lse=True, method="grouped", workspace=ws, overlap_guard=math.inf,
                    out=out, lse=lse)
     assert ws.group_len[: ws.max_groups].tolist() == [8, 3]
     remapped = torch.where((idx.long() >= 0) & (idx.long() < N), 0, -1).to(torch.int32)
@@ -236,7 +263,7 @@ def test_hash_collisions_end_to_end(K, overlap, union_backend):
     idx = adversarial_indices(T, K, N, base=idx, generator=g, patterns=("clean",) * 4 + ("pad_middle", "sentinels"))
     p = make_problem(T, H, K, N, indices=idx, seed=31)
     ws = SparseMLAWorkspace.for_problem(T, K, H, N, DEVICE)
-    run_checked(p, method="grouped", workspace=ws, overlap_guard=None, pad_tokens=G)
+    run_checked(p, method="grouped", workspace=ws, overlap_guard=math.inf, pad_tokens=G)
     overflowed = (ws.union_len[:2] < 0).tolist()
     assert ws.group_len[:2].tolist() == [0 if o else n for o, n in zip(overflowed, [4, 2])]
     assert ws.route[:T].tolist() == [int(overflowed[t // G]) for t in range(T)]
@@ -259,10 +286,10 @@ def test_auto_method_follows_the_rule_table(H, T, expected, caplog, monkeypatch)
 
 
 def test_auto_method_default_table(caplog):
-    """With the shipped table, "auto" runs what ``resolve_method`` picks (whatever the measured
+    """With the shipped table, "auto" runs what ``choose_method`` picks (whatever the measured
     thresholds say) and is exact."""
     H, T = 16, 12
-    _check_auto(H, T, selection.resolve_method("auto", H, T)[0], caplog)
+    _check_auto(H, T, selection.choose_method("auto", H, T)[0], caplog)
 
 
 def _check_auto(H, T, expected, caplog):
@@ -293,7 +320,7 @@ def test_workspace_reuse_across_calls(union_backend):
         idx = adversarial_indices(T, K, N, base=base, generator=g, patterns=("clean",) * 3 + ("pad_end",))
         p = make_problem(T, H, K, N, indices=idx, seed=100 + i)
         cu = cu_seqlens(lengths) if lengths is not None else None
-        run_checked(p, method="grouped", workspace=ws, cu_seqlens_q=cu, overlap_guard=None, pad_tokens=G)
+        run_checked(p, method="grouped", workspace=ws, cu_seqlens_q=cu, overlap_guard=math.inf, pad_tokens=G)
         n_groups = len(_expected_plan(Case(H, K, lengths, T=T), G))
         planned = -(-T // G)  # the call plans ceil(T / G) group slots of the workspace
         assert int((ws.group_len[:planned] > 0).sum()) == n_groups
@@ -323,7 +350,7 @@ def test_grouped_many_tokens():
     idx = base + torch.arange(0, 2 * K, 2, device=DEVICE, dtype=torch.int32)  # distinct, overlapping neighbours
     out_big, lse_big, out, lse = poisoned_views(T, H, pad_tokens=8)
     sparse_mla_fwd(q, kv, idx, 576**-0.5, return_lse=True, method="grouped", cu_seqlens_q=cu_seqlens(lengths),
-                   overlap_guard=None, out=out, lse=lse)
+                   overlap_guard=math.inf, out=out, lse=lse)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "some tokens were not computed"
     assert torch.isnan(out_big[T:]).all()
     for sl in (slice(0, 16), slice(T - 16, T), slice(40000, 40016)):

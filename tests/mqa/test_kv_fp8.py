@@ -12,6 +12,7 @@ be off by orders of magnitude, far outside the tolerances.
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -45,14 +46,14 @@ def test_fp8_cache_selects_gluon_with_bf16_q_on_hopper(hopper, monkeypatch):
     q, rows = _fp8_selection_inputs()
     assert backends.fp8_kv_reason(q.dtype, q.shape[-1]) is None
     assert backends.gluon_sm90_applies(q, rows)[0]
-    name, why = backends.select_backend(q, rows)
+    name, why = backends.choose_backend(q, rows)
     assert name == "gluon_sm90", why
-    assert backends.select_backend(q[:, :16], rows, pseudo_heads=128)[0] == "gluon_sm90"  # grouped tile
+    assert backends.choose_backend(q[:, :16], rows, pseudo_heads=128)[0] == "gluon_sm90"  # grouped tile
     # few heads on many tokens: the Triton kernel's small tiles win on a bf16 cache (split schedule), not on an FP8 one
     monkeypatch.setattr(gluon_sm90.config, "SCHEDULE", "split")
     q16 = torch.zeros(backends.GLUON_FEW_HEADS_MAX_TOKENS + 1, 16, 576, dtype=torch.bfloat16)
-    assert backends.select_backend(q16, rows)[0] == "gluon_sm90"
-    assert backends.select_backend(q16, torch.zeros(100, 576, dtype=torch.bfloat16))[0] == "triton"
+    assert backends.choose_backend(q16, rows)[0] == "gluon_sm90"
+    assert backends.choose_backend(q16, torch.zeros(100, 576, dtype=torch.bfloat16))[0] == "triton"
 
 
 @pytest.mark.parametrize("schedule", ["pair", "split"])
@@ -63,7 +64,7 @@ def test_fp8_cache_runs_the_split_schedule_whatever_the_bf16_schedule(hopper, mo
 
     monkeypatch.setattr(gluon_sm90.config, "SCHEDULE", schedule)
     q, rows = _fp8_selection_inputs()
-    assert backends.select_backend(q, rows)[0] == "gluon_sm90"
+    assert backends.choose_backend(q, rows)[0] == "gluon_sm90"
     assert gluon_sm90.schedule_for(True) == "split" and gluon_sm90.schedule_for(False) == schedule
     assert gluon_sm90.variant_constexprs(False, True, kv_fp8=True)["KV_FP8"]
     assert (False, True, "bf16", gluon_sm90.schedule_for(True), True, False) in gluon_sm90.all_variants()
@@ -82,11 +83,11 @@ def test_fp8_cache_falls_back_to_triton_with_the_reason(hopper, monkeypatch, cas
     q, rows = _fp8_selection_inputs(torch.float16 if case == "fp16" else torch.bfloat16, 512 if case == "d512" else 576)
     ok, why = backends.gluon_sm90_applies(q, rows)
     assert not ok and match in why
-    name, why = backends.select_backend(q, rows)
+    name, why = backends.choose_backend(q, rows)
     assert name == "triton" and match in why
     monkeypatch.setenv(backends.ENV_VAR, "gluon_sm90")
     with pytest.raises(ValueError, match=match):
-        backends.select_backend(q, rows)
+        backends.choose_backend(q, rows)
 
 
 def test_flashmla_compat_call_points_an_fp8_cache_to_sparse_mla_fwd():
@@ -123,7 +124,7 @@ def test_fp8_cache_on_this_machine_and_forced_gluon(monkeypatch):
         with pytest.raises(ValueError, match="does not apply"):
             sparse_mla_fwd(q[:1, :16], rows, torch.zeros(1, 4, dtype=torch.int32, device=DEVICE), 0.1, kv_format=FP8)
     monkeypatch.setenv(backends.ENV_VAR, "triton")
-    assert backends.select_backend(q, rows)[0] == "triton"
+    assert backends.choose_backend(q, rows)[0] == "triton"
 
 
 def test_explain_names_the_fp8_attention_backend(hopper):
@@ -192,7 +193,7 @@ def test_grouped_fp8_matches_reference_and_per_token(union_backend):
     tl_ = tl_.to(DEVICE)
     cu = cu_seqlens(lens)
     out_g, lse_g, _, ref_lse = run_fp8_checked(q, cache, idx, 0.06, topk_length=tl_, method="grouped", cu_seqlens_q=cu,
-                                               overlap_guard=None)
+                                               overlap_guard=math.inf)
     out_t, lse_t = poisoned_out(T, H)
     sparse_mla_fwd(q, cache, idx, 0.06, topk_length=tl_, method="per_token", out=out_t, lse=lse_t, kv_format=FP8)
     assert_same_result(out_g, lse_g, out_t, lse_t, DTYPE)
@@ -369,7 +370,7 @@ def test_gluon_fp8_grouped_matches_reference_and_twin(monkeypatch, H, lens):
     idx[T - 1] = -1  # a query with no valid row
     q, cache, idx = fp8_problem(T, H, K, N, seed=H, indices=idx)
     _, _, _, ref_lse = _fp8_backend_pair(monkeypatch, q, cache, idx, 0.05, method="grouped", cu_seqlens_q=cu_seqlens(lens),
-                                         overlap_guard=None)
+                                         overlap_guard=math.inf)
     assert torch.isinf(ref_lse[T - 1]).all()
 
 
@@ -388,7 +389,7 @@ def test_gluon_fp8_persistent_ctas_walk_many_items(monkeypatch, gluon_launches, 
     tl_[::7] = 0
     tl_ = tl_.to(DEVICE)
     monkeypatch.setitem(gluon_sm90.launcher._NUM_SMS, str(q.device), 3)
-    kw = dict(method=method) | ({"cu_seqlens_q": cu_seqlens([20, 17]), "overlap_guard": None} if method == "grouped"
+    kw = dict(method=method) | ({"cu_seqlens_q": cu_seqlens([20, 17]), "overlap_guard": math.inf} if method == "grouped"
                                  else {})
     _fp8_backend_pair(monkeypatch, q, cache, idx, 0.04, topk_length=tl_, **kw)
     assert torch.uint8 in gluon_launches, "the Gluon FP8 variant did not run"

@@ -10,6 +10,8 @@ choice (``sparse_mla.mqa.kv_splits``) is plain Python, tested here without a GPU
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from testlib.adversarial import adversarial_indices, garbage_topk_length
@@ -98,7 +100,7 @@ def test_grouped_splits_several_requests(S, monkeypatch):
     p = make_problem(T, H, K, N_ROWS, seed=S, indices=idx)
     ws = SparseMLAWorkspace.for_problem(T, K, H, N_ROWS, DEVICE, group_size=4)
     run_split_checked(p.q, p.kv, p.indices, p.sm_scale, attn_sink=_sink(H, S), method="grouped", kv_splits=S,
-                      cu_seqlens_q=cu_seqlens([5, 0, 4]), group_size=4, overlap_guard=None, workspace=ws)
+                      cu_seqlens_q=cu_seqlens([5, 0, 4]), group_size=4, overlap_guard=math.inf, workspace=ws)
     assert ws.group_len[:3].tolist() == [4, 4, 0], "two groups ran grouped"
     assert ws.route[:T].tolist().count(1) == 1, "one request tail ran per token"
     assert set(seen) == {"grouped", "per_token"}

@@ -5,6 +5,8 @@ other CPU tests use K <= 100 for the interpreter's sake; these make sure nothing
 
 from __future__ import annotations
 
+import math
+
 import torch
 from testlib.adversarial import adversarial_indices
 from testlib.device import DEVICE
@@ -43,7 +45,7 @@ def test_grouped_path_at_k2048():
     T = sum(lengths)
     p = make_problem(T, H, K, N, indices=_lists(T, N, seed=2), seed=2)
     ws = SparseMLAWorkspace.for_problem(T, K, H, N, DEVICE)
-    run_checked(p, method="grouped", cu_seqlens_q=cu_seqlens(lengths), workspace=ws, overlap_guard=None,
+    run_checked(p, method="grouped", cu_seqlens_q=cu_seqlens(lengths), workspace=ws, overlap_guard=math.inf,
                 pad_tokens=G, pad_heads=1)
     assert ws.group_start[:2].tolist() == [0, 11] and ws.group_len[:2].tolist() == [G, G]
     assert ws.route[:T].tolist() == [0] * 8 + [1] * 3 + [0] * 8 + [1]

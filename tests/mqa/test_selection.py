@@ -14,7 +14,7 @@ from testlib.tolerances import assert_rows_close
 
 from sparse_mla import flash_mla_sparse_fwd, flash_mla_sparse_ref
 from sparse_mla.mqa import selection
-from sparse_mla.mqa.selection import NEVER, GroupingRule, explain_method, fit_grouping_rules, resolve_method
+from sparse_mla.mqa.selection import NEVER, GroupingRule, choose_method, explain_method, fit_grouping_rules
 from sparse_mla.union import workspace as ws_mod
 
 RULES = (GroupingRule(8, 100), GroupingRule(16, 200), GroupingRule(32, 400), GroupingRule(64, NEVER),
@@ -26,17 +26,17 @@ RULES = (GroupingRule(8, 100), GroupingRule(16, 200), GroupingRule(32, 400), Gro
     (64, 10**6, "per_token"), (128, 10**6, "per_token"), (200, 10**6, "per_token"),
 ])
 def test_rule_table(H, T, want):
-    chosen, why = resolve_method("auto", H, T, rules=RULES)
+    chosen, why = choose_method("auto", H, T, rules=RULES)
     assert chosen == want, why
 
 
 def test_forced_methods_and_errors():
-    assert resolve_method("per_token", 8, 10**6, rules=RULES) == ("per_token", "forced by method=")
-    assert resolve_method("grouped", 64, 1, rules=RULES)[0] == "grouped"
+    assert choose_method("per_token", 8, 10**6, rules=RULES) == ("per_token", "forced by method=")
+    assert choose_method("grouped", 64, 1, rules=RULES)[0] == "grouped"
     with pytest.raises(ValueError, match="method must be one of"):
-        resolve_method("union", 16, 10)
+        choose_method("union", 16, 10)
     # a caller's G that leaves one query per tile never groups on "auto"
-    assert resolve_method("auto", 16, 10**6, group_size=1, rules=RULES)[0] == "per_token"
+    assert choose_method("auto", 16, 10**6, group_size=1, rules=RULES)[0] == "per_token"
     assert "token-major" in explain_method(16, 10**6) or "per_token" in explain_method(16, 10**6)
 
 
@@ -66,7 +66,7 @@ def test_shipped_rules_are_the_fit_of_the_committed_sweep():
     assert pts
     assert fit_grouping_rules(pts) == selection.GROUPING_RULES
     for p in pts:
-        chosen, _ = resolve_method("auto", p["heads"], p["tokens"])
+        chosen, _ = choose_method("auto", p["heads"], p["tokens"])
         best = min(p["per_token_ms"], p["grouped_ms"])
         assert p[f"{chosen}_ms"] <= best * 1.05, p
 

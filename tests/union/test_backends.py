@@ -44,7 +44,7 @@ A100 = backends.UnionDeviceFacts("cuda", (8, 0), 166912, False, None)
     pytest.param(" ", H200, 8, 2048, 5.8, False, "cuda_smem", "", id="blank-is-auto"),
 ])
 def test_choose_union_backend(mode, facts, G, K, guard, complete, expected, reason):
-    name, why = backends.choose_union_backend(mode, facts, G, K, guard_ratio=guard, complete=complete)
+    name, why = backends.choose_union_backend(facts, G, K, mode=mode, guard_ratio=guard, complete=complete)
     assert name == expected and reason in why, (name, why)
 
 
@@ -58,20 +58,20 @@ def test_choose_union_backend(mode, facts, G, K, guard, complete, expected, reas
 ])
 def test_choose_union_backend_errors(mode, facts, G, K, complete, match):
     with pytest.raises(ValueError, match=match):
-        backends.choose_union_backend(mode, facts, G, K, complete=complete)
+        backends.choose_union_backend(facts, G, K, mode=mode, complete=complete)
 
 
-def test_select_union_backend_env_and_log(monkeypatch, caplog):
+def test_choose_union_backend_env_and_log(monkeypatch, caplog):
     """On this machine's device: the variable is read per call; one debug line per build names the backend."""
     import logging
 
     monkeypatch.setenv(backends.ENV_VAR, "triton")
-    assert backends.select_union_backend(DEVICE, 8, 64) == ("triton", "forced by SPARSE_MLA_UNION_BACKEND=triton")
+    assert backends.choose_union_backend(DEVICE, 8, 64) == ("triton", "forced by SPARSE_MLA_UNION_BACKEND=triton")
     monkeypatch.setenv(backends.ENV_VAR, "bogus")
     with pytest.raises(ValueError, match="bogus"):
-        backends.select_union_backend(DEVICE, 8, 64)
+        backends.choose_union_backend(DEVICE, 8, 64)
     monkeypatch.delenv(backends.ENV_VAR)
-    expected, _ = backends.select_union_backend(DEVICE, 4, 12, complete=True)
+    expected, _ = backends.choose_union_backend(DEVICE, 4, 12, complete=True)
     assert expected == ("triton" if cuda_smem_unavailable() else "cuda_smem")
     caplog.set_level(logging.DEBUG, logger="sparse_mla")
     check_union(neighbour_rows(9, 12, 80, 0.5, torch.Generator().manual_seed(5)), 4, num_kv_rows=80)

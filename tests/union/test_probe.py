@@ -6,6 +6,8 @@ call time, the workspace sized after the change)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from testlib.device import DEVICE
@@ -100,7 +102,7 @@ def test_no_probe_on_small_steps_or_without_guard(small_probe, monkeypatch):
     p = make_problem(T, H, K, N, indices=disjoint_rows(T, seed=5), seed=5)
     ws = SparseMLAWorkspace.for_problem(T, K, H, N, DEVICE)
     ws.probe_skip.fill_(-1)
-    run_grouped(p, ws, overlap_guard=None)  # no guard: no probe, every union built and used
+    run_grouped(p, ws, overlap_guard=math.inf)  # no guard: no probe, every union built and used
     assert int(ws.probe_skip[0]) == -1 and ws.group_len[:8].tolist() == [8] * 8
     monkeypatch.setattr(probe, "PROBE_MIN_GROUPS", 9)  # 8 groups: below the minimum
     run_grouped(p, ws)
