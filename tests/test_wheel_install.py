@@ -92,6 +92,6 @@ def test_installed_wheel_runs_sparse_mla_bench_on_the_cpu(installed, tmp_path):
     bin_dir, env = installed
     res = _run([str(bin_dir / "sparse-mla"), *BENCH, "--json", "b.json", "--plot", ""], tmp_path, env, timeout=300)
     doc = json.loads((tmp_path / "b.json").read_text())
-    assert [r["scenario"] for r in doc["results"]] == ["dims-16-512-32-64-32/tp1/12"], res.stdout
-    assert all(r["failures"] == [] for r in doc["results"]), doc["results"]
+    assert [r["scenario"] for r in doc["rows"]] == ["dims-16-512-32-64-32/tp1/12"], res.stdout
+    assert all(r["failures"] == [] for r in doc["rows"]), doc["rows"]
     assert str(REPO) not in json.dumps(doc["meta"]), doc["meta"]  # provenance is the install's, not the checkout's

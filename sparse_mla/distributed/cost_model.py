@@ -288,6 +288,12 @@ def fit_link(rows: list[dict], copy_gbs: float = H200_HBM_GBS * COPY_EFFICIENCY,
     return Link(name, 1.0 / slope, lat, copy_gbs)
 
 
+def _rows(doc: dict) -> list[dict]:
+    """A bench JSON's rows: ``rows`` (``sparse_mla.bench.common.write_json``), or ``results`` in the runs written before
+    it and in this package's calibration data."""
+    return doc["rows"] if "rows" in doc else doc["results"]
+
+
 def best_tp_ms(results: list[dict]) -> dict[tuple[str, int, int], float]:
     """(model, W, T) -> the best TP variant's measured total_ms."""
     best: dict[tuple[str, int, int], float] = {}
@@ -306,9 +312,9 @@ def validate(doc: dict, link: Link, rows_filter=None) -> list[dict]:
     no exchange, so its total is its per-rank attention time). Modelled: both exchanges, the
     ShardQ total and the speedup. Errors are (model - measured) / measured.
     """
-    tp = best_tp_ms(doc["results"])
+    tp = best_tp_ms(_rows(doc))
     out = []
-    for r in doc["results"]:
+    for r in _rows(doc):
         if r["path"] != "shardq" or (rows_filter and not rows_filter(r)):
             continue
         cfg = get_model(r["model"])
@@ -340,7 +346,7 @@ def shardq_attn_rate(shardq_doc: dict, model: str) -> tuple[float, str]:
     """ms per query token of the ShardQ per-rank problem (all H heads), from the largest-T ShardQ
     per-token row of a 2-GPU run (max over ranks / rows of the rank): the per-query cost is flat once
     positions pass top-k, so the W-rank problem of T / W rows costs about rate * T / W."""
-    rows = [r for r in shardq_doc["results"] if r["model"] == model and r["variant"] == "shardq/per_token"]
+    rows = [r for r in _rows(shardq_doc) if r["model"] == model and r["variant"] == "shardq/per_token"]
     if not rows:
         raise ValueError(f"no shardq/per_token row of {model} in the ShardQ results")
     r = max(rows, key=lambda r: r["tokens"])
@@ -354,7 +360,7 @@ def tp_attn_single_gpu(bench_doc: dict, model: str, world_size: int) -> dict[int
     """T -> (best measured ms of ``TP_PATHS``, source) of the TP per-rank problem (H / W heads, all T
     rows, pure prefill) in a one-GPU ``sparse-mla bench`` JSON (results/bench.json)."""
     out = {}
-    for r in bench_doc["results"]:
+    for r in _rows(bench_doc):
         if r["model"] == model and r["tp"] == world_size and r["cached"] == 0:
             mqa = {name: p["ms"] for name, p in r["paths"].items() if name in TP_PATHS and p.get("supported")
                    and p.get("check_ok") and "ms" in p}
@@ -415,10 +421,10 @@ def calibration_docs(shardq_doc: dict, bench_doc: dict) -> tuple[dict, dict]:
     def meta(doc):
         return {k: doc["meta"][k] for k in META_KEYS if k in doc["meta"]}
 
-    sq_rows = [{k: r[k] for k in SHARDQ_ROW_KEYS if k in r} for r in shardq_doc["results"]]
+    sq_rows = [{k: r[k] for k in SHARDQ_ROW_KEYS if k in r} for r in _rows(shardq_doc)]
     tp_rows = [dict({k: r[k] for k in TP_ROW_KEYS},
                     paths={n: {k: p[k] for k in TP_PATH_KEYS if k in p} for n, p in r["paths"].items() if n in TP_PATHS})
-               for r in bench_doc["results"] if (r["model"], r["tp"]) in PROJECTION_POINTS and r["cached"] == 0]
+               for r in _rows(bench_doc) if (r["model"], r["tp"]) in PROJECTION_POINTS and r["cached"] == 0]
     return {"meta": meta(shardq_doc), "results": sq_rows}, {"meta": meta(bench_doc), "results": tp_rows}
 
 
@@ -431,7 +437,7 @@ def default_docs() -> tuple[dict, dict]:
 
 def calibrated_links(shardq_doc: dict) -> tuple[Link, Link]:
     """(link fitted on the glm-5 rows only, link fitted on all rows) of a 2-GPU ShardQ run."""
-    res = shardq_doc["results"]
+    res = _rows(shardq_doc)
     held_in = fit_link([r for r in res if r["model"] == "glm-5"], name="2xH200 box, fitted on glm-5 rows")
     all_rows = fit_link(res, name="2xH200 box, fitted on all rows")
     return held_in, all_rows
