@@ -211,7 +211,7 @@ def main():
     ap.add_argument("--forms", default="plain", help="comma-separated per-token forms: plain, d512 (D_qk 512), sink "
                     "(attn_sink + topk_length + max_logits), d512sink")
     ap.add_argument("--heads", default="", help="comma-separated per-token head counts (default: 128,64 with "
-                    "--quick, else 128,64,32,16); grouped rows only without it")
+                    "--quick, else 128,64,32,16; none: no per-token rows); grouped rows only without it or with none")
     a = ap.parse_args()
     dev = torch.device("cuda")
     names = a.backends.split(",")
@@ -228,7 +228,8 @@ def main():
                 rows.append(r)
         finally:
             gluon_sm90.config.ABLATE = 0
-    heads = [int(h) for h in a.heads.split(",") if h] or ((128, 64) if a.quick else (128, 64, 32, 16))
+    heads = [] if a.heads == "none" else [int(h) for h in a.heads.split(",") if h] or ((128, 64) if a.quick else
+                                                                                     (128, 64, 32, 16))
     forms = {"plain": (D_QK, False), "d512": (512, False), "sink": (D_QK, True), "d512sink": (512, True)}
     for form in a.forms.split(","):
         if form not in forms:
@@ -236,7 +237,7 @@ def main():
     for H in (() if a.ablate else heads):
         for form in a.forms.split(","):
             rows += per_token_rows(H, 8192, 2048, 32768, dev, names, *forms[form])
-    for H in (() if a.ablate or a.heads else (16, ) if a.quick else (16, 32, 8)):
+    for H in (() if a.ablate or a.heads not in ("", "none") else (16, ) if a.quick else (16, 32, 8)):
         rows += grouped_rows(H, 16384, 8192, 2048, dev, names)
     write_rows(a.json, rows)
     print_table(rows)
