@@ -37,6 +37,23 @@ BUILDER_CASES = [
 ]
 
 
+def _case_inputs(case, seed_mult: int):
+    """(indices [T, K] int32, topk_length or None, base_row) of a ``BUILDER_CASES`` row: its kind of lists, shifted to
+    global rows in the millions / near the int32 limit when N is that large, padded and given garbage topk_length
+    as the row says."""
+    G, K, N, lengths, T, kind, padded, with_tl, _, _ = case
+    T = sum(lengths) if lengths is not None else T
+    g = torch.Generator().manual_seed(G * seed_mult + T)
+    base_row = N - 4 * T * K if N > 10**6 else 0
+    idx = builder_lists(kind, T, K, N, g, base_row)
+    if padded:
+        idx = adversarial_indices(T, K, N, base=idx, generator=g, patterns=("clean", "pad_middle", "clean", "sentinels"))
+    topk_length = None
+    if with_tl:
+        idx, topk_length = garbage_topk_length(idx.contiguous(), N, generator=g)
+    return idx, topk_length, base_row
+
+
 @pytest.mark.parametrize("backend", STEP_BACKENDS)
 @pytest.mark.parametrize("case", [pytest.param(c[1:], id=c[0]) for c in BUILDER_CASES])
 def test_step_builder_matches_reference(case, backend):
@@ -46,15 +63,8 @@ def test_step_builder_matches_reference(case, backend):
     if backend == "cuda_smem" and cuda_smem_unavailable():
         pytest.skip(f"the CUDA union builder cannot run here: {cuda_smem_unavailable()}")
     G, K, N, lengths, T, kind, padded, with_tl, guard, slots = case
-    T = sum(lengths) if lengths is not None else T
-    g = torch.Generator().manual_seed(G * 31 + T)
-    base_row = N - 4 * T * K if N > 10**6 else 0  # global rows in the millions / near the int32 limit
-    idx = builder_lists(kind, T, K, N, g, base_row)
-    if padded:
-        idx = adversarial_indices(T, K, N, base=idx, generator=g, patterns=("clean", "pad_middle", "clean", "sentinels"))
-    topk_length = None
-    if with_tl:
-        idx, topk_length = garbage_topk_length(idx.contiguous(), N, generator=g)
+    idx, topk_length, base_row = _case_inputs(case, 31)
+    if topk_length is not None:
         topk_length[::2] = K
     expected = check_builder(backend, idx, topk_length, N, G, lengths, guard, slots if backend != "triton" else None)
     if slots is not None and backend != "triton":  # the table case must see both outcomes
@@ -140,14 +150,6 @@ def test_cuda_builder_sorted(case, backend):
     length up to sort_fill, nothing after it; the same unions, lengths, routes and guard decisions as unsorted."""
     if backend == "cuda_smem" and cuda_smem_unavailable():
         pytest.skip(f"the CUDA union builder cannot run here: {cuda_smem_unavailable()}")
-    G, K, N, lengths, T, kind, padded, with_tl, guard, _ = case
-    T = sum(lengths) if lengths is not None else T
-    g = torch.Generator().manual_seed(G * 37 + T)
-    base_row = N - 4 * T * K if N > 10**6 else 0
-    idx = builder_lists(kind, T, K, N, g, base_row)
-    if padded:
-        idx = adversarial_indices(T, K, N, base=idx, generator=g, patterns=("clean", "pad_middle", "clean", "sentinels"))
-    topk_length = None
-    if with_tl:
-        idx, topk_length = garbage_topk_length(idx.contiguous(), N, generator=g)
+    G, K, N, lengths, _, _, _, _, guard, _ = case
+    idx, topk_length, _ = _case_inputs(case, 37)
     check_builder(backend, idx, topk_length, N, G, lengths, guard, sort_fill=G * K - 1)
