@@ -175,7 +175,7 @@ def build_union(
     indices: torch.Tensor, topk_length: torch.Tensor | None, num_kv_rows: int, group_size: int,
     group_start: torch.Tensor, group_len: torch.Tensor, route: torch.Tensor, workspace,
     rows: torch.Tensor, bits: torch.Tensor, union_len: torch.Tensor, *,
-    guard_ratio: float | None = None, complete: bool = False, sort_fill: int | None = None,
+    guard_ratio: float | None = None, complete: bool = False,
 ) -> str:
     """Build the unions of the planned groups with the selected backend; returns its name.
 
@@ -185,8 +185,6 @@ def build_union(
     ``complete``: every union must be built (no per-token fallback; ``build_group_union``).
     With ``cuda_smem`` a group whose union overflows its table gets union_len -1, group_len 0 and
     route 1 (its rows run per token); with ``complete=True`` that cannot happen (selection).
-    ``sort_fill``: passed to ``cuda_smem.build_union`` (its unions sorted, columns up to sort_fill filled) when that
-    backend runs; the Triton builder ignores it (the caller sorts: the name returned says which ran).
     """
     key = (str(indices.device), group_size, indices.shape[1], guard_ratio, complete, env.get(env.UNION_BACKEND),
            env.interpreted(), call_cache.generation())
@@ -199,7 +197,7 @@ def build_union(
         logger.debug("union builder: backend %s (%s)", name, why)
     if name == "cuda_smem":
         cuda_smem.build_union(indices, topk_length, num_kv_rows, group_size, group_start, group_len, route, rows, bits,
-                              union_len, guard_ratio=guard_ratio, sort_fill=sort_fill)
+                              union_len, guard_ratio=guard_ratio)
     else:
         triton_tl.build_union(indices, topk_length, num_kv_rows, group_size, group_start, group_len, route,
                               workspace.union_tables, workspace.union_table_bits, rows, bits, union_len,

@@ -7,7 +7,7 @@
 // Per group g (group_start[g] = t0, group_len[g] = glen in 1..G; glen <= 0: union_len[g] = 0):
 //   entries: indices[t0 + q, k] for q < glen, k < min(max(topk_length[t0 + q], 0), K);
 //   valid:   0 <= row < num_kv_rows (so a valid row is never the -1 that marks an empty slot);
-//   out:     union_rows[g, :u] the distinct valid rows (unsorted, or sorted: "Sorted" below), union_bits[g, :u] their membership
+//   out:     union_rows[g, :u] the distinct valid rows (unsorted), union_bits[g, :u] their membership
 //            words (bit q set iff the row is in query q's list), union_len[g] = u.
 //
 // Table: open addressing with linear probing over S = 2^log_slots slots in dynamic shared memory:
@@ -26,10 +26,6 @@
 // Compaction: warp w owns slots r * THREADS + 32 w + lane (r = 0, 1, ...); pass 1 counts its occupied
 //   slots (ballot + popc), one warp scans the 32 warp counts, pass 2 writes each occupied slot to
 //   union_rows / union_bits at the warp's offset + the popc of the lower lanes' ballot bits.
-// Sorted (sort_fill >= 0; build_group_union): after pass 2 the block reads its union back (rows and words) into
-//   the table's memory (keys as unsigned: padding 0xffffffff sorts last; words as 16-bit halves), bitonic-sorts
-//   the next power of two >= u slots by row, writes the first u over the unsorted copy and sets columns
-//   [u, sort_fill) to -1 / 0. sort_fill < 0: unsorted, nothing past u written.
 // Guard (has_guard): as the Triton builder, in fp32: u * glen > guard_ratio * (valid entries) ->
 //   group_len[g] = 0 and its rows' route = 1 (union_len[g] keeps u).
 
@@ -70,8 +66,7 @@ sparse_mla_union_smem(
     int capacity,                         // most union rows kept; more -> union_len = -1
     float guard_ratio,
     int has_topk_length,
-    int has_guard,
-    int sort_fill)                        // < 0: unsorted union; >= 0: sorted, columns [u, sort_fill) filled
+    int has_guard)
 {
     extern __shared__ int smem[];
     __shared__ int s_len[16];
@@ -239,49 +234,8 @@ sparse_mla_union_smem(
         pos += __popc(m);
     }
 
-    const int total = s_total;
-    if (sort_fill >= 0) {  // block-uniform
-        __syncthreads();  // the block's pass-2 stores are visible to all of its threads
-        int P = 1;
-        while (P < total) P <<= 1;  // total <= capacity < S, so P <= S
-        unsigned* skey = reinterpret_cast<unsigned*>(keys);
-        unsigned short* sword = reinterpret_cast<unsigned short*>(member);
-        for (int i = tid; i < P; i += UNION_THREADS) {
-            const bool in = i < total;
-            skey[i] = in ? (unsigned)union_rows[out_base + i] : 0xffffffffu;
-            sword[i] = in ? (unsigned short)union_bits[out_base + i] : (unsigned short)0;
-        }
-        __syncthreads();
-        for (int kk = 2; kk <= P; kk <<= 1) {
-            for (int j = kk >> 1; j > 0; j >>= 1) {
-                for (int i = tid; i < (P >> 1); i += UNION_THREADS) {
-                    const int lo = ((i & ~(j - 1)) << 1) | (i & (j - 1));  // i with a 0 inserted at bit log2(j)
-                    const int hi = lo + j;
-                    const unsigned a = skey[lo];
-                    const unsigned b = skey[hi];
-                    const bool up = (lo & kk) == 0;
-                    if (up ? a > b : a < b) {
-                        skey[lo] = b;
-                        skey[hi] = a;
-                        const unsigned short t = sword[lo];
-                        sword[lo] = sword[hi];
-                        sword[hi] = t;
-                    }
-                }
-                __syncthreads();
-            }
-        }
-        for (int i = tid; i < total; i += UNION_THREADS) {
-            union_rows[out_base + i] = (int)skey[i];
-            union_bits[out_base + i] = (int)sword[i];
-        }
-        for (int i = total + tid; i < sort_fill; i += UNION_THREADS) {
-            union_rows[out_base + i] = -1;
-            union_bits[out_base + i] = 0;
-        }
-    }
-
     // ---- length and overlap guard (same fp32 comparison as the Triton builder)
+    const int total = s_total;
     bool guarded = false;
     if (has_guard) {
         guarded = __fmul_rn((float)total, (float)glen) > __fmul_rn(guard_ratio, (float)s_valid);

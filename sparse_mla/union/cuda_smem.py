@@ -252,11 +252,10 @@ def launch_config(
     group_start: torch.Tensor, group_len: torch.Tensor, route: torch.Tensor,
     rows: torch.Tensor, bits: torch.Tensor, union_len: torch.Tensor,
     guard_ratio: float | None, slots: int | None, max_smem: int, threads: int = THREADS,
-    sort_fill: int | None = None,
 ) -> LaunchConfig:
     """Check the tensors and build the launch of ``build_union`` (any device: the CPU tests run the
     same arguments through an emulation of the kernel). ``max_smem``: shared memory per block;
-    ``threads``: the block size the kernel was compiled for; ``sort_fill``: as ``build_union``'s."""
+    ``threads``: the block size the kernel was compiled for."""
     num_groups = group_start.shape[0]
     T, K = indices.shape
     if not 1 <= group_size <= MAX_GROUP_SIZE:
@@ -287,8 +286,6 @@ def launch_config(
         raise ValueError("route must hold T rows, group_len / union_len one entry per group")
     if topk_length is not None and topk_length.shape[0] < T:
         raise ValueError("topk_length must hold T entries")
-    if sort_fill is not None and not 0 <= sort_fill <= rows.shape[1]:
-        raise ValueError(f"sort_fill must be in [0, {rows.shape[1]}] (rows' columns), got {sort_fill}")
     plan = plan_table(group_size, K, guard_ratio, max_smem, slots)
     import numpy as np
 
@@ -300,7 +297,6 @@ def launch_config(
         np.int32(K), np.int32(group_size), np.int32(plan.log_slots), np.int32(plan.capacity),
         np.float32(guard_ratio if guard_ratio is not None else 0.0),
         np.int32(topk_length is not None), np.int32(guard_ratio is not None),
-        np.int32(-1 if sort_fill is None else sort_fill),
     )
     grid = num_groups if T > 0 else 0
     return LaunchConfig(grid, threads, plan.smem_bytes, args, plan)
@@ -311,7 +307,6 @@ def build_union(
     group_start: torch.Tensor, group_len: torch.Tensor, route: torch.Tensor,
     rows: torch.Tensor, bits: torch.Tensor, union_len: torch.Tensor,
     guard_ratio: float | None = None, slots: int | None = None, threads: int = THREADS, unroll: int = UNROLL,
-    sort_fill: int | None = None,
 ) -> TablePlan:
     """Launch the shared-memory union builder over ``group_start.shape[0]`` groups (one CTA each).
 
@@ -330,16 +325,13 @@ def build_union(
         slots: table size override (``plan_table``).
         threads, unroll: kernel variant (block size, a multiple of 32 up to 1024; loads in flight per
             thread); the defaults are the measured choice, the others exist for tuning runs.
-        sort_fill: None (the step's unions: unsorted, nothing past union_len written) or a column count
-            <= rows' columns: each union is written sorted ascending by row, and columns [union_len, sort_fill)
-            of rows / bits get -1 / 0 (``build_group_union``).
 
     Returns:
         The ``TablePlan`` used.
 
     Raises:
         ValueError: G out of range, G * K past ``MAX_ENTRIES``, tensors not on one CUDA device,
-            wrong dtypes or layouts, sort_fill out of range.
+            wrong dtypes or layouts.
     """
     dev = indices.device
     if dev.type != "cuda":
@@ -348,7 +340,7 @@ def build_union(
     if threads % 32 or not 32 <= threads <= 1024 or unroll < 1:
         raise ValueError(f"threads must be a multiple of 32 in [32, 1024] and unroll >= 1, got {threads}, {unroll}")
     cfg = launch_config(indices, topk_length, num_kv_rows, group_size, group_start, group_len, route, rows, bits,
-                        union_len, guard_ratio, slots, max_smem_per_block(idx), threads, sort_fill)
+                        union_len, guard_ratio, slots, max_smem_per_block(idx), threads)
     if cfg.grid == 0:
         return cfg.plan
     kern = get_kernel(idx, compile_options(threads, 2048 // threads if threads >= 512 else 1, unroll))

@@ -91,15 +91,14 @@ def build_group_union(
     ws = SparseMLAWorkspace(max(T, 1), K, group_size, N, indices.device)
     gs, gl, ul = ws.group_start[:n_groups], ws.group_len[:n_groups], ws.union_len[:n_groups]
     rows, bits = ws.union_rows[:n_groups], ws.union_bits[:n_groups]
-    backend = None
     if T > 0:
         plan_groups(T, group_size, None, gs, gl, ws.route[:T])
-        backend = union_backends.build_union(indices, topk_length, N, group_size, gs, gl, ws.route[:T], ws, rows,
-                                             bits, ul, complete=True, sort_fill=rows.shape[1])
-    # Returned sorted, -1 / 0 after the end. The CUDA builder sorts in its kernel (sort_fill); after the Triton
-    # builder (unsorted, in the first union_len slots) only the first P columns are sorted (P: the longest union
-    # rounded up to a power of two, read back with one sync), in place in the workspace's rows, which are returned.
-    if backend is not None and backend != "cuda_smem":
+        union_backends.build_union(indices, topk_length, N, group_size, gs, gl, ws.route[:T], ws, rows, bits, ul,
+                                   complete=True)
+    # The kernel's union is unsorted, in the first union_len slots of each row; this inspection API returns it
+    # sorted, -1 / 0 after the end. Only the first P columns are sorted (P: the longest union rounded up to a
+    # power of two, read back with one sync), in place in the workspace's rows, which are returned.
+    if n_groups > 0:
         longest = int(ul.max())
         P = min(rows.shape[1], 1 << max(longest - 1, 0).bit_length())
         in_union = torch.arange(P, device=rows.device)[None, :] < ul[:, None].long()

@@ -97,7 +97,7 @@ extern "C" int emu_launch(int grid, int block, long long smem_bytes,
     const int* indices, const int* topk_length, const int* group_start, int* group_len, signed char* route,
     int* union_rows, int* union_bits, int* union_len, long long stride_it, long long stride_rg,
     long long num_kv_rows, int K, int G, int log_slots, int capacity, float guard_ratio,
-    int has_topk_length, int has_guard, int sort_fill)
+    int has_topk_length, int has_guard)
 {
     if (block != UNION_THREADS) return -1;
     if (smem_bytes > (long long)sizeof(emu_smem)) return -2;
@@ -115,7 +115,7 @@ extern "C" int emu_launch(int grid, int block, long long smem_bytes,
                 threadIdx.x = (unsigned)t;
                 sparse_mla_union_smem(indices, topk_length, group_start, group_len, route, union_rows, union_bits,
                                       union_len, stride_it, stride_rg, num_kv_rows, K, G, log_slots, capacity,
-                                      guard_ratio, has_topk_length, has_guard, sort_fill);
+                                      guard_ratio, has_topk_length, has_guard);
             });
         }
         for (auto& th : threads) th.join();

@@ -113,8 +113,7 @@ def builder_reference(idx: torch.Tensor, topk_length: torch.Tensor | None, N: in
 
 
 def run_builder(backend: str, idx: torch.Tensor, topk_length: torch.Tensor | None, N: int, G: int,
-                lengths: list[int] | None, guard: float | None, slots: int | None = None,
-                sort_fill: int | None = None):
+                lengths: list[int] | None, guard: float | None, slots: int | None = None):
     """Plan the groups and build their unions with one backend's launcher on poisoned buffers
     (rows / bits / union_len 7777, route 9 outside the requests' rows). Returns the workspace and the
     CUDA TablePlan (None for Triton)."""
@@ -132,7 +131,7 @@ def run_builder(backend: str, idx: torch.Tensor, topk_length: torch.Tensor | Non
     plan = None
     if backend == "cuda_smem":
         plan = cuda_smem.build_union(idx_d, tl_d, N, G, gs, gl, route, ws.union_rows, ws.union_bits, ul,
-                                     guard_ratio=guard, slots=slots, sort_fill=sort_fill)
+                                     guard_ratio=guard, slots=slots)
     elif backend.startswith("cuda_emu"):  # the kernel's source on the CPU (tests/testlib/cuda_emulation.py)
         threads, unroll = EMULATED[backend]
         lib, why = cuda_emulation.build(threads, unroll)
@@ -141,7 +140,7 @@ def run_builder(backend: str, idx: torch.Tensor, topk_length: torch.Tensor | Non
         bufs = [t.cpu().clone() for t in (gs, gl, route, ws.union_rows, ws.union_bits, ul)]
         idx_c, tl_c = idx.contiguous(), topk_length.contiguous() if topk_length is not None else None
         cfg = cuda_smem.launch_config(idx_c, tl_c, N, G, *bufs, guard_ratio=guard, slots=slots,
-                                      max_smem=EMULATED_SMEM, sort_fill=sort_fill)
+                                      max_smem=EMULATED_SMEM)
         cuda_emulation.emulate(lib, cfg, threads)
         for dst, src in zip((gs, gl, route, ws.union_rows, ws.union_bits, ul), bufs):
             dst.copy_(src)
@@ -153,13 +152,12 @@ def run_builder(backend: str, idx: torch.Tensor, topk_length: torch.Tensor | Non
 
 
 def check_builder(backend: str, idx: torch.Tensor, topk_length: torch.Tensor | None, N: int, G: int,
-                  lengths: list[int] | None, guard: float | None, slots: int | None = None,
-                  sort_fill: int | None = None):
+                  lengths: list[int] | None, guard: float | None, slots: int | None = None):
     """``run_builder`` against ``builder_reference``: lengths (u, or -1 for an overflowed group), group_len
     (0 for guarded / overflowed groups), route (1 exactly for per-token rows), the union rows as a set
     with their membership words, and nothing written past union_len. Returns the reference groups."""
     T, K = idx.shape
-    ws, n_groups, plan = run_builder(backend, idx, topk_length, N, G, lengths, guard, slots, sort_fill)
+    ws, n_groups, plan = run_builder(backend, idx, topk_length, N, G, lengths, guard, slots)
     capacity = plan.capacity if plan is not None else None
     expected = builder_reference(idx, topk_length, N, G, lengths, guard, capacity)
     gl, ul = ws.group_len[:n_groups].cpu(), ws.union_len[:n_groups].cpu()
@@ -177,13 +175,7 @@ def check_builder(backend: str, idx: torch.Tensor, topk_length: torch.Tensor | N
         got_rows = rows[g, :u].tolist()
         assert len(set(got_rows)) == u and set(got_rows) == e["union"], f"group {g}: union rows differ"
         assert {r: b for r, b in zip(got_rows, bits[g, :u].tolist())} == e["bits"], f"group {g}: membership differs"
-        if sort_fill is None:
-            assert bool((rows[g, u:] == 7777).all()) and bool((bits[g, u:] == 7777).all()), f"group {g}: wrote past u"
-        else:  # sorted (the CUDA builder's sort_fill), -1 / 0 up to sort_fill, untouched after
-            assert got_rows == sorted(e["union"]), f"group {g}: union rows not sorted"
-            assert bool((rows[g, u:sort_fill] == -1).all()) and bool((bits[g, u:sort_fill] == 0).all()), \
-                f"group {g}: columns [u, sort_fill) not -1 / 0"
-            assert bool((rows[g, max(u, sort_fill):] == 7777).all()), f"group {g}: wrote past sort_fill"
+        assert bool((rows[g, u:] == 7777).all()) and bool((bits[g, u:] == 7777).all()), f"group {g}: wrote past u"
     for g in range(len(expected), n_groups):  # planner slots past the last group (request layout)
         assert int(gl[g]) == 0 and int(ul[g]) == 0, f"empty slot {g}: group_len {int(gl[g])}, union_len {int(ul[g])}"
     assert route[:T].tolist() == per_token, "route must mark exactly the per-token rows"

@@ -102,12 +102,10 @@ def test_cuda_table_capacity_boundary(backend):
     pytest.param(8, "mid", True, id="G8-mid-guard"),
     pytest.param(8, "none", True, id="G8-none-guard-overflow-at-12288"),
     pytest.param(16, "low", False, id="G16-low-noguard-table-32768"),
-    pytest.param(8, "mid", None, id="G8-mid-sorted-table-32768"),
 ])
 def test_cuda_builder_full_size(backend, G, overlap, guard):
     """K = 2048 DSA-like lists (unsorted, ``synthetic_batch``) at the production table sizes (16384 slots at
-    G = 8 with the guard, 32768 at G = 16 without, and G = 8 sorted as ``build_group_union`` asks): two groups
-    each, against the reference. On the CPU this
+    G = 8 with the guard, 32768 at G = 16 without): two groups each, against the reference. On the CPU this
     runs the kernel's source through the emulation (one std::thread per CUDA thread)."""
     if backend == "cuda_smem" and cuda_smem_unavailable():
         pytest.skip(f"the CUDA union builder cannot run here: {cuda_smem_unavailable()}")
@@ -117,9 +115,7 @@ def test_cuda_builder_full_size(backend, G, overlap, guard):
     K = 2048
     b = synthetic_batch([40000], [2 * G], K, overlap, seed=3)  # past 16 K rows: "none" lists are disjoint
     N = b.num_kv_rows
-    sort_fill = G * K if guard is None else None  # None: build_group_union's form (sorted, no guard)
-    expected = check_builder(backend, b.indices, b.valid, N, G, [2 * G], overlap_guard_ratio(G) if guard else None,
-                             sort_fill=sort_fill)
+    expected = check_builder(backend, b.indices, b.valid, N, G, [2 * G], overlap_guard_ratio(G) if guard else None)
     sizes = [len(e["union"]) for e in expected]
     if overlap == "none":
         assert all_of(e["overflow"] for e in expected), sizes
@@ -139,17 +135,3 @@ def test_builder_case_table_covers_guard_decisions():
         idx = builder_lists(kind, T, K, N, g, N - 4 * T * K if N > 10**6 else 0)
         decisions.update(e["guarded"] for e in builder_reference(idx, None, N, G, lengths, guard, None))
     assert decisions == {True, False}
-
-
-
-
-@pytest.mark.parametrize("backend", CUDA_BACKENDS)
-@pytest.mark.parametrize("case", [pytest.param(c[1:], id=c[0]) for c in BUILDER_CASES if c[-1] is None])
-def test_cuda_builder_sorted(case, backend):
-    """``sort_fill`` (``build_group_union``'s mode): every union written sorted ascending by row, -1 / 0 from its
-    length up to sort_fill, nothing after it; the same unions, lengths, routes and guard decisions as unsorted."""
-    if backend == "cuda_smem" and cuda_smem_unavailable():
-        pytest.skip(f"the CUDA union builder cannot run here: {cuda_smem_unavailable()}")
-    G, K, N, lengths, _, _, _, _, guard, _ = case
-    idx, topk_length, _ = _case_inputs(case, 37)
-    check_builder(backend, idx, topk_length, N, G, lengths, guard, sort_fill=G * K - 1)
