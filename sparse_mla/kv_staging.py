@@ -31,7 +31,7 @@ INKERNEL_NS_PER_GATHERED_ROW = 0.16
 STAGE_NS_PER_ROW = 1.5
 STAGE_FIXED_NS = 40_000
 # Rows a grouped call gathers, as a multiple of its queries' list rows over G: the estimate of the FP8 route and of the
-# split count (the "mid" lists' union ratio at G = 8, results/op-recon-7c35494.json).
+# split count (the "mid" lists' union ratio at G = 8, results/history/op-recon-7c35494.json).
 GROUPED_UNION_RATIO_ESTIMATE = 1.4
 # Staging allocates [rows, 576] of q's dtype per call unless the caller passes a buffer; above this it never stages.
 DEFAULT_MAX_STAGED_BYTES = 4 * 2**30
