@@ -48,7 +48,7 @@ def pieces_for(T: int, H: int) -> dict:
     from sparse_mla.mqa import backends as mqa_backends
     from sparse_mla.mqa import gluon_sm90
     from sparse_mla.mqa.checks import check_sink_and_max_logits, validate_fwd_buffers, validate_sparse_mla_args
-    from sparse_mla.mqa.selection import resolve_method
+    from sparse_mla.mqa.selection import choose_method
     from sparse_mla.union import backends as union_backends
     from sparse_mla.union import probe as union_probe
     from sparse_mla.union.grouping import default_group_size, overlap_guard_ratio
@@ -71,13 +71,13 @@ def pieces_for(T: int, H: int) -> dict:
     return {
         "validate_sparse_mla_args": lambda: validate_sparse_mla_args(q, kv, idx, s, d_v=512, topk_length=None,
                                                                      cu_seqlens_q=None, check=False, kv_format=None),
-        "resolve_method": lambda: resolve_method("auto", H, T, None),
+        "choose_method": lambda: choose_method("auto", H, T, None),
         "check_sink_and_max_logits": lambda: check_sink_and_max_logits(None, None, T, H, q.device, check=False),
         "validate_fwd_buffers": lambda: validate_fwd_buffers(p, return_lse=True, grouped=True, group_size=None,
-                                                             overlap_guard=-1.0, out=out, lse=lse, workspace=ws,
+                                                             overlap_guard=None, out=out, lse=lse, workspace=ws,
                                                              extra_outputs={"max_logits": None},
                                                              extra_inputs={"attn_sink": None}),
-        "select_backend": lambda: mqa_backends.select_backend(q, kv, out),
+        "choose_backend": lambda: mqa_backends.choose_backend(q, kv, out),
         "gluon launch per token": lambda: gluon_sm90.launch(q, kv, idx, None, None, None, None, None, out, lse, s,
                                                             grouped=False, num_lists=T, group_heads=H),
         "backends.per_token": lambda: mqa_backends.per_token(q, kv, idx, s, None, out, lse),

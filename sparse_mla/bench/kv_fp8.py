@@ -149,7 +149,7 @@ def run_case(kind: str, H: int, T: int, K: int, N: int, *, dtype: torch.dtype, d
         for name, backend, kv_rows, fn, ref, row_bytes in variants:
             os.environ[backends.ENV_VAR] = backend
             rec = dict(case=case, variant=name, heads=H, tokens=T, topk=K, kv_rows=N,
-                       backend="triton" if " cfg=" in name else backends.select_backend(q, kv_rows, out, pseudo_heads)[0])
+                       backend="triton" if " cfg=" in name else backends.choose_backend(q, kv_rows, out, pseudo_heads).name)
             if rec["backend"] == "gluon_sm90":
                 rec["schedule"] = gluon_sm90.schedule_for(kv_rows.dtype == torch.uint8)
             try:

@@ -52,7 +52,7 @@ def union_stats(inputs: dict, heads: int, *, on_gpu: bool, trials: int) -> dict:
     # guard_ratio=None: "auto" picks the CUDA builder only where its table holds all G * K entries, so no
     # union overflows; a forced SPARSE_MLA_UNION_BACKEND=cuda_smem may overflow some (union_len -1):
     # the ratio then counts the other groups
-    backend, _ = union_backends.select_union_backend(dev, G, K)
+    backend = union_backends.choose_union_backend(dev, G, K).name
     n_groups = T // G
     if n_groups:
         ul = ws.union_len[:n_groups]

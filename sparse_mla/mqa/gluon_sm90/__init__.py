@@ -77,7 +77,6 @@ from .launcher import launch, num_m_blocks  # noqa: F401
 
 SUPPORTED_TRITON = ("3.6",)  # major.minor of triton whose Gluon API these kernels are written against
 SUPPORTS_KV_SPLIT = True  # split-KV variants (KV_SPLIT) but where config.kv_split_missing says (sparse_mla.mqa.backends)
-SUPPORTS_SINK = True  # attn_sink / max_logits computed in the kernel (sparse_mla.mqa.backends reads this)
 
 
 def triton_version_supported(version: str | None = None) -> bool:
