@@ -286,11 +286,14 @@ def print_rows(title: str, rows: list[dict], columns: dict[str, Callable[[dict],
 
 
 def fmt(v: object, spec: str) -> str:
-    """``format(v, spec)``, "-" for None or a non-finite float."""
+    """``format(v, spec)``; "-" for None or NaN (not measured), "inf" for an infinite value (an error metric's
+    score of a non-finite output must show)."""
     import math
 
-    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+    if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
+    if isinstance(v, float) and math.isinf(v):
+        return "inf" if v > 0 else "-inf"
     return format(v, spec)
 
 

@@ -261,7 +261,8 @@ def explain_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sm_sca
         if ratio is None:
             decided["overlap guard"] = Choice("off", "overlap_guard=math.inf: every union built and used")
         else:
-            source = "the default table" if overlap_guard is None else "overlap_guard="
+            source = "the default table" if overlap_guard is None or overlap_guard == -1.0 else \
+                f"overlap_guard={overlap_guard:g}"
             decided["overlap guard"] = Choice(f"{ratio:g} x the mean list", f"{source} for G = {G}: a group with a "
                                               "larger union runs per token, on the device")
     return "\n".join(explain_lines(decided))

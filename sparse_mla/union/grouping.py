@@ -34,6 +34,19 @@ def overlap_guard_ratio(group_size: int) -> float:
     return max(GUARD_FRACTION_OF_G * group_size, GUARD_MIN_LISTS)
 
 
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning raised in the caller of this function at the first frame outside
+    the package (the user's call; wrappers such as ``call_cache.replayed`` in between vary)."""
+    import os
+    import sys
+
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(pkg):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def guard_ratio(overlap_guard: float | None, group_size: int) -> float | None:
     """The ratio the union builders apply (None: no guard) for ``sparse_mla_fwd``'s ``overlap_guard``: None ->
     ``overlap_guard_ratio(group_size)``; ``math.inf`` -> None (every union built and used); a float >= 0 -> itself;
@@ -41,7 +54,7 @@ def guard_ratio(overlap_guard: float | None, group_size: int) -> float | None:
     ``sparse_mla.mqa.checks.validate_fwd_buffers``."""
     if overlap_guard is not None and not isinstance(overlap_guard, bool) and overlap_guard == -1.0:
         warnings.warn("overlap_guard=-1.0 is deprecated: None (the default) selects the default table",
-                      DeprecationWarning, stacklevel=3)
+                      DeprecationWarning, stacklevel=_caller_stacklevel())
         overlap_guard = None
     if overlap_guard is None:
         return overlap_guard_ratio(group_size)

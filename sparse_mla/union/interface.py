@@ -75,7 +75,8 @@ def build_group_union(
         num_kv_rows: N; rows >= N are dropped (default: no upper bound, 2**31 - 1).
 
     Returns:
-        GroupUnion with rows / member_mask [ceil(T / G), G * K] int32 and lengths [ceil(T / G)].
+        GroupUnion with rows / member_mask [ceil(T / G), G * K] int32 and lengths [ceil(T / G)]. Synchronizes with the
+        device once (the longest union sizes the sort).
 
     Raises:
         TypeError: non-tensor or non-int32 indices / topk_length, a group_size or num_kv_rows that is not
@@ -108,8 +109,7 @@ def build_group_union(
         rows[:, :P] = torch.where(in_union, keys, -1)
         rows[:, P:].fill_(-1)
         bits[:, P:].fill_(0)
-    member = bits
-    return GroupUnion(rows, member, ul, group_size)
+    return GroupUnion(rows, bits, ul, group_size)
 
 
 

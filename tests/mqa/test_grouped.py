@@ -25,6 +25,7 @@ from testlib.tolerances import all_of, assert_matches_reference, assert_same_res
 
 from sparse_mla import SparseMLAWorkspace, checks, default_group_size, sparse_mla_fwd, sparse_mla_ref
 from sparse_mla.mqa import checks as mqa_checks
+from sparse_mla.mqa.interface import explain_fwd
 from sparse_mla.mqa import selection
 from sparse_mla.union.grouping import overlap_guard_ratio
 from sparse_mla.union.triton_tl import hash_table_slots
@@ -207,6 +208,13 @@ def test_overlap_guard_none_is_the_default_table():
         assert group_lens(overlap_guard=-1.0) == default
     assert group_lens(overlap_guard=math.inf) == [G, G]
     assert group_lens(overlap_guard=float(G)) == [G, G]  # a union of at most G mean lists always fits
+    # the deprecation points at the caller's line (past the call-cache wrapper), so Python's default filter shows it
+    with pytest.warns(DeprecationWarning, match="overlap_guard=-1.0") as rec:
+        sparse_mla_fwd(p.q, p.kv, p.indices, p.sm_scale, method="grouped", overlap_guard=-1.0)
+    assert rec[0].filename == __file__, rec[0].filename
+    lines = explain_fwd(p.q, p.kv, p.indices, p.sm_scale, method="grouped", overlap_guard=2.5).splitlines()
+    guard = [ln for ln in lines if "overlap guard" in ln]
+    assert len(guard) == 1 and "2.5 x the mean list" in guard[0] and "overlap_guard=2.5 for G" in guard[0], guard
 
 
 @pytest.mark.parametrize("N", [pytest.param(2**28, id="N2^28"), pytest.param(2**31, id="N2^31-row-INT_MAX-valid")])
