@@ -25,8 +25,8 @@ from testlib.tolerances import all_of, assert_matches_reference, assert_same_res
 
 from sparse_mla import SparseMLAWorkspace, checks, default_group_size, sparse_mla_fwd, sparse_mla_ref
 from sparse_mla.mqa import checks as mqa_checks
-from sparse_mla.mqa.interface import explain_fwd
 from sparse_mla.mqa import selection
+from sparse_mla.mqa.interface import explain_fwd
 from sparse_mla.union.grouping import overlap_guard_ratio
 from sparse_mla.union.triton_tl import hash_table_slots
 
