@@ -165,8 +165,8 @@ def run_shardq_layer_bench(models: list[tuple[str, int]], tokens: list[int], *, 
         return None
     meta = rank_meta("shardq_layer", device, dtype, trials, models=[[c.name, dist.get_world_size()] for c in configs],
                      tokens=list(tokens), topk=topk, overlap=overlap, chunks=list(chunks), seed=seed, check=check,
-                     cost_model_link=None if link is None else dict(name=link.name, bandwidth_gbs=link.bandwidth_gbs,
-                                                                       latency_ms=link.latency_ms, copy_gbs=link.copy_gbs))
+                     cost_model_link=dict(name=link.name, bandwidth_gbs=link.bandwidth_gbs, latency_ms=link.latency_ms,
+                                          copy_gbs=link.copy_gbs))
     return {"meta": meta, "rows": rows}
 
 
