@@ -91,6 +91,13 @@ DECISIONS: tuple[Decision, ...] = (
         "`SPARSE_MLA_UNION_BACKEND=auto\\|triton\\|cuda_smem` (inapplicable: ValueError with the reason)",
         "`results/union-cuda.json` (docs/notes/grouping.md)", (_FWD, _LAYER)),
     Decision(
+        "inspection union", "`build_group_union`'s builder: one sorting CUDA kernel (opt-in) or a step builder + torch sort",
+        "sparse_mla.union.backends.choose_inspection_builder",
+        "`sparse_mla/union/backends.py`: `cuda_smem_applies`; `sparse_mla/union/cuda_sorted.py`: `plan_passes`, "
+        "`MAX_PASSES` (a wider window falls back)",
+        "`SPARSE_MLA_UNION_SORTED=0\\|1`, `SPARSE_MLA_UNION_BACKEND`",
+        "`results/history/union-inspect-2e27016.json` (docs/notes/grouping.md); the kernel: none yet"),
+    Decision(
         "overlap guard", "per-group fallback: a group whose union is too large runs per token (on the device)",
         None, "`sparse_mla/union/grouping.py`: `overlap_guard_ratio`, `GUARD_FRACTION_OF_G`, `GUARD_MIN_LISTS`",
         "`sparse_mla_fwd(overlap_guard=...)` (`math.inf`: off)", "`results/bench-none.json` (docs/notes/grouping.md)", (_FWD, )),

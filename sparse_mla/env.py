@@ -45,6 +45,11 @@ UNION_BACKEND = Switch(
     "SPARSE_MLA_UNION_BACKEND", "auto", "auto, triton, cuda_smem", "per call", "sparse_mla.union.backends",
     "forces the union builder of the grouped path; `cuda_smem` where it cannot run raises `ValueError` with the "
     "reason")
+UNION_SORTED = Switch(
+    "SPARSE_MLA_UNION_SORTED", "0", "0, 1", "per call", "sparse_mla.union.backends",
+    "`build_group_union` on a GPU that runs the CUDA union builders: `1` emits the sorted unions from one kernel "
+    "(`union/cuda_sorted.cu`, not yet run on a GPU), `0` builds them with the step builder and sorts them in torch",
+    tuning=True)
 GLUON_SCHEDULE = Switch(
     "SPARSE_MLA_GLUON_SCHEDULE", "pair", "pair, split", "at import", "sparse_mla.mqa.gluon_sm90.config",
     "Gluon schedule on bf16 / fp16 caches (an `fp8_ds_mla` cache always runs `split`)")
@@ -58,8 +63,8 @@ GLUON_FP8_PRODUCER_REGS = Switch(
     "SPARSE_MLA_GLUON_FP8_PRODUCER_REGS", "72", "an int", "at import", "sparse_mla.mqa.gluon_sm90.config",
     "Gluon: registers per producer thread of the FP8 (`fp8_ds_mla`) variant", tuning=True)
 
-SWITCHES: tuple[Switch, ...] = (PATH, MQA_BACKEND, UNION_BACKEND, GLUON_SCHEDULE, GLUON_O_VIA_SMEM, GLUON_PERSISTENT,
-                                GLUON_FP8_PRODUCER_REGS)
+SWITCHES: tuple[Switch, ...] = (PATH, MQA_BACKEND, UNION_BACKEND, UNION_SORTED, GLUON_SCHEDULE, GLUON_O_VIA_SMEM,
+                                GLUON_PERSISTENT, GLUON_FP8_PRODUCER_REGS)
 
 # The modules that define Triton / Gluon kernels (decorated at import: TRITON_INTERPRET must be set before them).
 KERNEL_MODULES = (
@@ -115,5 +120,5 @@ def markdown_table() -> str:
 
 
 __all__ = ["KERNEL_MODULES", "SWITCHES", "Switch", "get", "interpreted", "kernels_imported", "markdown_table", *(
-    "PATH", "MQA_BACKEND", "UNION_BACKEND", "GLUON_SCHEDULE", "GLUON_O_VIA_SMEM", "GLUON_PERSISTENT",
+    "PATH", "MQA_BACKEND", "UNION_BACKEND", "UNION_SORTED", "GLUON_SCHEDULE", "GLUON_O_VIA_SMEM", "GLUON_PERSISTENT",
     "GLUON_FP8_PRODUCER_REGS")]

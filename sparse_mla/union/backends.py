@@ -32,7 +32,7 @@ import torch
 
 from .. import call_cache, env
 from ..choices import Choice, deprecated_alias, line
-from . import cuda_smem, triton_tl
+from . import cuda_smem, cuda_sorted, triton_tl
 from .grouping import default_group_size, overlap_guard_ratio
 
 logger = logging.getLogger("sparse_mla")
@@ -147,6 +147,35 @@ def choose_union_backend(device: torch.device | str | UnionDeviceFacts, group_si
 select_union_backend = deprecated_alias(choose_union_backend, "select_union_backend")
 
 
+def choose_inspection_builder(device: torch.device | str | UnionDeviceFacts, group_size: int, topk: int, *,
+                              mode: str | None = None, sorted_kernel: str | None = None) -> Choice:
+    """``Choice(builder, reason)`` for ``build_group_union`` (sorted, complete unions): "cuda_sorted"
+    (``sparse_mla.union.cuda_sorted``, sorted in the kernel) where ``SPARSE_MLA_UNION_SORTED`` is 1, the CUDA
+    builders can run and ``SPARSE_MLA_UNION_BACKEND`` is auto; else ``choose_union_backend(complete=True)``'s
+    builder, whose unions are then sorted in torch. The kernel is opt-in until a GPU run holds it to the
+    reference (tests/union/test_cuda_sorted.py).
+
+    Args:
+        mode: as ``choose_union_backend`` (None reads ``SPARSE_MLA_UNION_BACKEND``).
+        sorted_kernel: "0" or "1"; None reads ``SPARSE_MLA_UNION_SORTED``.
+
+    Raises:
+        ValueError: as ``choose_union_backend``; ``SPARSE_MLA_UNION_SORTED`` neither 0 nor 1.
+    """
+    facts = device if isinstance(device, UnionDeviceFacts) else device_facts(device)
+    mode = env.get(env.UNION_BACKEND) if mode is None else mode
+    mode = (mode or "auto").strip() or "auto"
+    sorted_kernel = (env.get(env.UNION_SORTED) if sorted_kernel is None else sorted_kernel).strip() or "0"
+    if sorted_kernel not in ("0", "1"):
+        raise ValueError(f"{env.UNION_SORTED.name} must be 0 or 1, got {sorted_kernel!r}")
+    if mode == "auto" and sorted_kernel == "1":
+        runnable, _, why = cuda_smem_applies(facts, group_size, topk, None, True)
+        if runnable and group_size * topk <= cuda_sorted.MAX_ENTRIES:
+            return Choice("cuda_sorted", f"{env.UNION_SORTED.name}=1 and the CUDA builders run here: unions sorted "
+                                         "in the kernel")
+    return choose_union_backend(facts, group_size, topk, complete=True, mode=mode)
+
+
 def describe_union_backend(device: torch.device | str, group_size: int, topk: int,
                            guard_ratio: float | None = None) -> str:
     """One line: which union builder runs for such a call, and why."""
@@ -215,5 +244,8 @@ def warmup(device: torch.device | str) -> bool:
     return runnable
 
 
-__all__ = ["BACKENDS", "ENV_VAR", "UnionDeviceFacts", "build_union", "choose_union_backend", "cuda_smem_applies",
-           "describe_for_step", "describe_union_backend", "device_facts", "select_union_backend", "warmup"]
+__all__ = [
+    "BACKENDS", "ENV_VAR", "UnionDeviceFacts", "build_union", "choose_inspection_builder", "choose_union_backend",
+    "cuda_smem_applies", "describe_for_step", "describe_union_backend", "device_facts", "select_union_backend",
+    "warmup"
+]

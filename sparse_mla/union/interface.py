@@ -10,6 +10,7 @@ import torch
 
 from ..checks import check_tensor, require_int, require_kernel_tensor
 from . import backends as union_backends
+from . import cuda_sorted
 from .grouping import MAX_GROUP_SIZE
 from .planning import plan_groups
 from .workspace import SparseMLAWorkspace
@@ -76,7 +77,10 @@ def build_group_union(
 
     Returns:
         GroupUnion with rows / member_mask [ceil(T / G), G * K] int32 and lengths [ceil(T / G)]. Synchronizes with the
-        device once (the longest union sizes the sort).
+        device once: the step builder's unsorted unions are sorted in torch (the longest union sizes the sort). With
+        ``SPARSE_MLA_UNION_SORTED=1`` on a GPU that runs the CUDA builders, they come sorted from ``cuda_sorted``'s
+        kernel instead (the sync checks that no group's rows spread too wide for it; such a call is built the first
+        way, a second sync).
 
     Raises:
         TypeError: non-tensor or non-int32 indices / topk_length, a group_size or num_kv_rows that is not
@@ -89,6 +93,10 @@ def build_group_union(
     require_kernel_tensor("indices", indices)
     indices = indices.contiguous()
     n_groups = -(-T // group_size)
+    if T > 0 and union_backends.choose_inspection_builder(indices.device, group_size, K).name == "cuda_sorted":
+        built = cuda_sorted.build_sorted(indices, group_size, topk_length, N)
+        if built is not None:
+            return GroupUnion(*built, group_size)
     ws = SparseMLAWorkspace(max(T, 1), K, group_size, N, indices.device)
     gs, gl, ul = ws.group_start[:n_groups], ws.group_len[:n_groups], ws.union_len[:n_groups]
     rows, bits = ws.union_rows[:n_groups], ws.union_bits[:n_groups]
