@@ -12,7 +12,9 @@ A group whose window needs more than ``MAX_PASSES`` passes (rows spread over mor
 call the other way (``sparse_mla.union.interface.build_group_union``).
 
 Opt-in (``SPARSE_MLA_UNION_SORTED=1``, ``backends.choose_inspection_builder``) until a GPU run holds it to the
-reference (tests/union/test_cuda_sorted.py); it compiles without spills for sm_80 / sm_90 in CI.
+reference and times it (tests/union/test_cuda_sorted.py). In CI it compiles without spills for sm_80 / sm_90 (NVRTC)
+and its source runs on the CPU against Python sets (``tests/testlib/cuda_emulation.py``: one std::thread per CUDA
+thread, garbage shared memory), in one pass, in several, and into the fallback.
 
 Shared memory per CTA: ``PASS_SMEM_BYTES`` at most (two CTAs of 1024 threads per SM on the H200), less when
 ``num_kv_rows`` bounds the window (46K rows at G = 8: 45 KiB).
@@ -107,6 +109,37 @@ def compiled_kernel_count() -> int:
     return len(_KERNELS)
 
 
+@dataclass(frozen=True)
+class LaunchConfig:
+    """One launch: grid (groups), block, dynamic shared memory, the kernel's arguments in order (numpy scalars:
+    pointers as uint64), and the pass plan."""
+
+    grid: int
+    block: int
+    smem_bytes: int
+    args: tuple
+    plan: SortedPlan
+
+
+def launch_config(indices: torch.Tensor, group_size: int, topk_length: torch.Tensor | None, num_kv_rows: int,
+                  rows: torch.Tensor, bits: torch.Tensor, lengths: torch.Tensor, smem_cap: int, max_passes: int,
+                  threads: int = THREADS) -> LaunchConfig:
+    """The launch of ``build_sorted`` on any device (the CPU tests run the same arguments through the kernel's source
+    compiled for the host, tests/testlib/cuda_emulation.py)."""
+    T, K = indices.shape
+    plan = plan_passes(group_size, num_kv_rows, smem_cap, max_passes)
+    import numpy as np
+
+    args = (
+        np.uint64(indices.data_ptr()), np.uint64(topk_length.data_ptr() if topk_length is not None else 0),
+        np.uint64(rows.data_ptr()), np.uint64(bits.data_ptr()), np.uint64(lengths.data_ptr()),
+        np.int64(indices.stride(0)), np.int64(rows.stride(0)), np.int64(num_kv_rows),
+        np.int32(T), np.int32(K), np.int32(group_size), np.int32(group_size * K), np.int32(plan.pass_rows),
+        np.int32(plan.max_passes), np.int32(plan.find_window), np.int32(topk_length is not None),
+    )
+    return LaunchConfig(-(-T // group_size), threads, plan.smem_bytes, args, plan)
+
+
 def build_sorted(indices: torch.Tensor, group_size: int, topk_length: torch.Tensor | None, num_kv_rows: int, *,
                  smem_cap: int | None = None, max_passes: int | None = None):
     """Sorted unions of token-major groups, or None when some group's rows span too wide a window.
@@ -144,25 +177,16 @@ def build_sorted(indices: torch.Tensor, group_size: int, topk_length: torch.Tens
     lengths = torch.empty(n_groups, dtype=torch.int32, device=dev)
     if n_groups == 0:
         return rows, bits, lengths
-    plan = plan_passes(group_size, num_kv_rows, PASS_SMEM_BYTES if smem_cap is None else smem_cap,
-                       MAX_PASSES if max_passes is None else max_passes)
+    cfg = launch_config(indices, group_size, topk_length, num_kv_rows, rows, bits, lengths,
+                        PASS_SMEM_BYTES if smem_cap is None else smem_cap, MAX_PASSES if max_passes is None else max_passes)
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     kern = get_kernel(idx, compile_options(group_size))
-    import numpy as np
-
-    args = (
-        np.uint64(indices.data_ptr()), np.uint64(topk_length.data_ptr() if topk_length is not None else 0),
-        np.uint64(rows.data_ptr()), np.uint64(bits.data_ptr()), np.uint64(lengths.data_ptr()),
-        np.int64(indices.stride(0)), np.int64(rows.stride(0)), np.int64(num_kv_rows),
-        np.int32(T), np.int32(K), np.int32(group_size), np.int32(width), np.int32(plan.pass_rows),
-        np.int32(plan.max_passes), np.int32(plan.find_window), np.int32(topk_length is not None),
-    )
-    cuda_smem.launch_on(kern, idx, (n_groups, ), (THREADS, ), plan.smem_bytes, args,
+    cuda_smem.launch_on(kern, idx, (cfg.grid, ), (cfg.block, ), cfg.smem_bytes, cfg.args,
                         torch.cuda.current_stream(idx).cuda_stream)
     if int(lengths.min()) < -1:  # the one sync: some window was too wide
         return None
     return rows, bits, lengths
 
 
-__all__ = ["MAX_PASSES", "PASS_SMEM_BYTES", "SortedPlan", "build_sorted", "compile_options", "field_bits",
-           "plan_passes", "source"]
+__all__ = ["LaunchConfig", "MAX_PASSES", "PASS_SMEM_BYTES", "SortedPlan", "build_sorted", "compile_options",
+           "field_bits", "launch_config", "plan_passes", "source"]

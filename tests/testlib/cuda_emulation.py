@@ -11,7 +11,8 @@ wrong union far more readily than in a GPU's lockstep warps; what it cannot show
 effect, a shared-memory size limit, or anything about the CuPy launch (tests on the GPU do).
 
 ``emulate(cfg)`` runs a ``cuda_smem.LaunchConfig`` built from CPU tensors (the same argument tuple the
-GPU launch passes, so the argument order and types are checked against the kernel's signature).
+GPU launch passes, so the argument order and types are checked against the kernel's signature); ``build_sorted`` and
+``emulate_sorted`` do the same for ``sparse_mla/union/cuda_sorted.cu`` (``cuda_sorted.LaunchConfig``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import tempfile
 
 import numpy as np
 
-from sparse_mla.union import cuda_smem
+from sparse_mla.union import cuda_smem, cuda_sorted
 
 PRELUDE = r"""
 #include <atomic>
@@ -80,6 +81,9 @@ static inline int __shfl_down_sync(unsigned, int v, unsigned d) {
     int src = lane + (int)d < 32 ? lane + (int)d : lane;
     return (int)(long long)emu_exchange((unsigned long long)(long long)v, src);
 }
+static inline int __shfl_xor_sync(unsigned, int v, int m) {
+    return (int)(long long)emu_exchange((unsigned long long)(long long)v, emu_lane() ^ m);
+}
 static inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp().bar->arrive_and_wait(); }
 static inline int __popc(unsigned x) { return __builtin_popcount(x); }
 template <class T> static inline T __ldg(const T* p) { return *p; }
@@ -89,6 +93,23 @@ static inline int atomicCAS(int* p, int cmp, int val) {
 }
 static inline unsigned atomicOr(unsigned* p, unsigned v) { return std::atomic_ref<unsigned>(*p).fetch_or(v); }
 static inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
+static inline int atomicMin(int* p, int v) {
+    std::atomic_ref<int> a(*p);
+    int cur = a.load();
+    while (v < cur && !a.compare_exchange_weak(cur, v)) {}
+    return cur;
+}
+static inline int atomicMax(int* p, int v) {
+    std::atomic_ref<int> a(*p);
+    int cur = a.load();
+    while (v > cur && !a.compare_exchange_weak(cur, v)) {}
+    return cur;
+}
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+static inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
+template <class T> static inline T min(T a, T b) { return a < b ? a : b; }
+template <class T> static inline T max(T a, T b) { return a > b ? a : b; }
+#define __forceinline__ inline
 static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
 """
 
@@ -185,3 +206,85 @@ def emulate(lib: ctypes.CDLL, cfg: cuda_smem.LaunchConfig, threads: int) -> None
     res = lib.emu_launch(ctypes.c_int(cfg.grid), ctypes.c_int(threads), ctypes.c_longlong(cfg.smem_bytes), *args)
     if res != 0:
         raise RuntimeError(f"emu_launch returned {res}")
+
+
+SORTED_ENTRY = r"""
+extern "C" int emu_launch_sorted(int grid, int block, long long smem_bytes,
+    const int* indices, const int* topk_length, int* rows, int* bits, int* union_len, long long stride_it,
+    long long stride_rg, long long num_kv_rows, int T, int K, int G, int width, int pass_rows, int max_passes,
+    int find_window, int has_topk_length)
+{
+    if (block != SORTED_THREADS) return -1;
+    if (smem_bytes > (long long)sizeof(emu_smem)) return -2;
+    std::barrier<> block_bar(SORTED_THREADS);
+    emu_block_barrier = &block_bar;
+    std::vector<std::barrier<>*> bars;
+    for (int w = 0; w < SORTED_THREADS / 32; ++w) { bars.push_back(new std::barrier<>(32)); emu_warps[w].bar = bars.back(); }
+    for (int b = 0; b < grid; ++b) {
+        blockIdx.x = (unsigned)b;
+        std::memset(emu_smem, 0x5a, sizeof(emu_smem));  // shared memory starts as garbage
+        std::vector<std::thread> threads;
+        threads.reserve(SORTED_THREADS);
+        for (int t = 0; t < SORTED_THREADS; ++t) {
+            threads.emplace_back([=] {
+                threadIdx.x = (unsigned)t;
+                sparse_mla_union_sorted(indices, topk_length, rows, bits, union_len, stride_it, stride_rg, num_kv_rows,
+                                        T, K, G, width, pass_rows, max_passes, find_window, has_topk_length);
+            });
+        }
+        for (auto& th : threads) th.join();
+    }
+    for (auto* p : bars) delete p;
+    return 0;
+}
+"""
+
+
+def sorted_emulator_source() -> str:
+    src = cuda_sorted.source()
+    marker = "extern __shared__ uint4 words4[];"
+    assert marker in src, "the sorted kernel's dynamic shared memory declaration changed: update cuda_emulation.py"
+    return PRELUDE + src.replace(marker, "uint4* words4 = reinterpret_cast<uint4*>(emu_smem);") + SORTED_ENTRY
+
+
+def _compile(src: str, defines: list[str], prefix: str) -> ctypes.CDLL:
+    cxx = compiler()
+    key = hashlib.sha256((src + " ".join(defines) + cxx).encode()).hexdigest()[:16]
+    if key in _LIBS:
+        return _LIBS[key]
+    out_dir = os.path.join(tempfile.gettempdir(), "sparse_mla_cuda_emulation")
+    os.makedirs(out_dir, exist_ok=True)
+    so = os.path.join(out_dir, f"{prefix}_{key}.so")
+    if not os.path.exists(so):
+        cpp = os.path.join(out_dir, f"{prefix}_{key}.cpp")
+        with open(cpp, "w") as f:
+            f.write(src)
+        tmp = f"{so}.{os.getpid()}.tmp"
+        cmd = [cxx, "-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-pthread", *defines, cpp, "-o", tmp]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"the emulated kernel does not compile ({' '.join(cmd)}):\n{res.stderr[-4000:]}")
+        os.replace(tmp, so)
+    lib = ctypes.CDLL(so)
+    _LIBS[key] = lib
+    return lib
+
+
+def build_sorted(threads: int, group_size: int, unroll: int = cuda_sorted.UNROLL) -> tuple[ctypes.CDLL | None, str]:
+    """(library, "") or (None, why not): the emulated sorted kernel for ``threads`` and G's field width."""
+    if compiler() is None:
+        return None, "no C++ compiler (g++ / clang++) on the PATH"
+    lib = _compile(sorted_emulator_source(), list(cuda_sorted.compile_options(group_size, threads, 1, unroll)), "sorted")
+    lib.emu_launch_sorted.restype = ctypes.c_int
+    return lib, ""
+
+
+def emulate_sorted(lib: ctypes.CDLL, cfg: cuda_sorted.LaunchConfig) -> None:
+    """Run ``cfg`` (built from CPU tensors with the library's block size) on the emulated sorted kernel."""
+    if cfg.grid == 0:
+        return
+    args = [_CTYPES[np.asarray(a).dtype](int(a) if np.asarray(a).dtype.kind in "iu" else float(a)) for a in cfg.args]
+    res = lib.emu_launch_sorted(ctypes.c_int(cfg.grid), ctypes.c_int(cfg.block), ctypes.c_longlong(cfg.smem_bytes),
+                                *args)
+    if res != 0:
+        raise RuntimeError(f"emu_launch_sorted returned {res}")

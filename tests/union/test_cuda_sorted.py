@@ -1,5 +1,6 @@
 """The sorted inspection builder (``sparse_mla.union.cuda_sorted``): its plan and choice on the CPU, its source through
-NVRTC on the CPU, and on a GPU its unions against plain-Python sets (``testlib.union.check_union``), in one pass and
+NVRTC on the CPU, its source run on the CPU (``testlib.cuda_emulation``: one std::thread per CUDA thread, garbage
+shared memory) and on a GPU, each against plain-Python sets, every output element (poisoned first): in one pass and
 in several, with a window found per group or [0, N), and the fallback when a group's rows spread too wide.
 
 Reference: ``build_group_union``'s definition (module docstring of tests/union/test_group_union.py).
@@ -11,6 +12,7 @@ import pytest
 import torch
 from testlib.adversarial import adversarial_indices, garbage_topk_length
 from testlib.backends import cuda_smem_unavailable
+from testlib import cuda_emulation
 from testlib.device import DEVICE
 from testlib.union import check_union, lists_of_kind, union_reference
 
@@ -77,6 +79,33 @@ def _need_gpu():
         pytest.skip(f"the CUDA union builders cannot run here: {why}")
 
 
+def _case(G, T, K, N, kind, padded, with_topk_length):
+    """(indices [T, K] int32 CPU, topk_length or None): rows drawn below 4096, shifted to end just below N."""
+    g = torch.Generator().manual_seed(G * 1000 + T + K)
+    base_n = min(N, 4096)
+    idx = lists_of_kind(kind, T, K, base_n, g)
+    if padded:
+        idx = adversarial_indices(T, K, base_n, base=idx, generator=g)
+    topk_length = None
+    if with_topk_length:
+        idx, topk_length = garbage_topk_length(idx.contiguous(), base_n, generator=g)
+    if N > base_n:  # sentinels in [base_n, N - base_n) would be valid rows far below the window: padding instead
+        shifted = torch.where((idx >= 0) & (idx < base_n), idx + (N - base_n), idx)
+        idx = torch.where((idx >= base_n) & (idx < N - base_n), -7, shifted)
+    return idx.contiguous(), topk_length
+
+
+def _check(rows, bits, lengths, idx, G, topk_length, N):
+    T, K = idx.shape
+    expected = union_reference(idx, G, topk_length, N)
+    assert lengths.shape == (len(expected), )
+    for gi, (urows, ubits) in enumerate(expected):
+        n = len(urows)
+        assert int(lengths[gi]) == n, f"group {gi}: length {int(lengths[gi])} != {n}"
+        assert rows[gi, :n].tolist() == urows and bits[gi, :n].tolist() == ubits, f"group {gi}"
+        assert bool((rows[gi, n:] == -1).all()) and bool((bits[gi, n:] == 0).all()), f"group {gi}: tail"
+
+
 # (G, T, K, N, list kind, padded, topk_length)
 GPU_CASES = [
     pytest.param(1, 5, 12, 100, "neighbour", True, False, id="G1-padded"),
@@ -90,34 +119,63 @@ GPU_CASES = [
 ]
 
 
+# the GPU cases in one pass, three of them in passes of 16 / 64 bytes (16 or 8 / 64 or 32 rows)
+EMULATED = [pytest.param(*p.values, 1 << 16, id=f"{p.id}-one-pass") for p in GPU_CASES] + [
+    pytest.param(5, 12, 10, 100, "neighbour", True, True, 16, id="G5-topklen-passes-of-16B"),
+    pytest.param(16, 37, 40, 3000, "disjoint", True, False, 64, id="G16-disjoint-passes-of-64B"),
+    pytest.param(9, 20, 33, 2**31 - 1, "neighbour", True, False, 64, id="G9-N-int32max-passes-of-64B"),
+]
+
+
+@pytest.mark.parametrize("G, T, K, N, kind, padded, with_topk_length, smem_cap", EMULATED)
+def test_emulated_sorted_unions_match_sets(G, T, K, N, kind, padded, with_topk_length, smem_cap):
+    """The kernel's source on the CPU (64 threads: two warps), outputs poisoned first; small ``smem_cap`` forces a
+    found window covered in several passes."""
+    lib, why = cuda_emulation.build_sorted(64, G)
+    if lib is None:
+        pytest.skip(why)
+    idx, topk_length = _case(G, T, K, N, kind, padded, with_topk_length)
+    n_groups = -(-T // G)
+    rows = torch.full((n_groups, G * K), 0x5A5A5A5A, dtype=torch.int32)
+    bits, lengths = rows.clone(), torch.full((n_groups, ), 0x5A5A5A5A, dtype=torch.int32)
+    cfg = cuda_sorted.launch_config(idx, G, topk_length, N, rows, bits, lengths, smem_cap, 1 << 20, threads=64)
+    cuda_emulation.emulate_sorted(lib, cfg)
+    _check(rows, bits, lengths, idx, G, topk_length, N)
+
+
+def test_emulated_sorted_full_block_and_fallback():
+    """1024 threads (the runtime's block) on one DSA-like group; then a window wider than max_passes allows: every
+    group of the launch reports -2 and writes nothing else."""
+    lib, why = cuda_emulation.build_sorted(1024, 8)
+    if lib is None:
+        pytest.skip(why)
+    idx, _ = _case(8, 9, 256, 4000, "neighbour", True, False)
+    rows = torch.full((2, 8 * 256), 0x5A5A5A5A, dtype=torch.int32)
+    bits, lengths = rows.clone(), torch.full((2, ), 0x5A5A5A5A, dtype=torch.int32)
+    cfg = cuda_sorted.launch_config(idx, 8, None, 4000, rows, bits, lengths, cuda_sorted.PASS_SMEM_BYTES,
+                                    cuda_sorted.MAX_PASSES, threads=1024)
+    assert not cfg.plan.find_window
+    cuda_emulation.emulate_sorted(lib, cfg)
+    _check(rows, bits, lengths, idx, 8, None, 4000)
+    lib64, _ = cuda_emulation.build_sorted(64, 8)
+    rows.fill_(7), bits.fill_(7)
+    cfg = cuda_sorted.launch_config(idx, 8, None, 2**31, rows, bits, lengths, 16, 1, threads=64)
+    cuda_emulation.emulate_sorted(lib64, cfg)
+    assert lengths.tolist() == [-2, -2] and bool((rows == 7).all()) and bool((bits == 7).all())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("G, T, K, N, kind, padded, with_topk_length", GPU_CASES)
 @pytest.mark.parametrize("smem_cap", [None, 16, 64], ids=["default", "passes-of-16B", "passes-of-64B"])
 def test_sorted_unions_match_sets(G, T, K, N, kind, padded, with_topk_length, smem_cap):
-    """Every output element against the reference, rows and words poisoned first; small ``smem_cap`` forces a
-    found window covered in several passes (16 bytes: 16 or 8 rows per pass)."""
+    """On the GPU, through CuPy: every output element against the reference; small ``smem_cap`` forces several
+    passes."""
     _need_gpu()
-    g = torch.Generator().manual_seed(G * 1000 + T + K)
-    base_n = min(N, 4096)  # rows drawn in [0, base_n), shifted up to end just below N
-    idx = lists_of_kind(kind, T, K, base_n, g)
-    if padded:
-        idx = adversarial_indices(T, K, base_n, base=idx, generator=g)
-    topk_length = None
-    if with_topk_length:
-        idx, topk_length = garbage_topk_length(idx.contiguous(), base_n, generator=g)
-    if N > base_n:
-        idx = torch.where((idx >= 0) & (idx < base_n), idx + (N - base_n), idx)
-    dev_idx = idx.to(DEVICE).contiguous()
-    dev_len = None if topk_length is None else topk_length.to(DEVICE)
-    built = cuda_sorted.build_sorted(dev_idx, G, dev_len, N, smem_cap=smem_cap,
-                                     max_passes=None if smem_cap is None else 1 << 20)
+    idx, topk_length = _case(G, T, K, N, kind, padded, with_topk_length)
+    built = cuda_sorted.build_sorted(idx.to(DEVICE), G, None if topk_length is None else topk_length.to(DEVICE), N,
+                                     smem_cap=smem_cap, max_passes=None if smem_cap is None else 1 << 20)
     assert built is not None
-    rows, bits, lengths = (t.cpu() for t in built)
-    expected = union_reference(idx.reshape(T, K), G, topk_length, N)
-    for gi, (urows, ubits) in enumerate(expected):
-        n = len(urows)
-        assert int(lengths[gi]) == n and rows[gi, :n].tolist() == urows and bits[gi, :n].tolist() == ubits, gi
-        assert bool((rows[gi, n:] == -1).all()) and bool((bits[gi, n:] == 0).all()), gi
+    _check(*(t.cpu() for t in built), idx, G, topk_length, N)
 
 
 @pytest.mark.gpu
