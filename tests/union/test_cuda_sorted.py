@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from testlib import cuda_emulation
 from testlib.adversarial import adversarial_indices, garbage_topk_length
 from testlib.backends import cuda_smem_unavailable
-from testlib import cuda_emulation
 from testlib.device import DEVICE
 from testlib.union import check_union, lists_of_kind, union_reference
 
