@@ -48,7 +48,8 @@ UNION_BACKEND = Switch(
 UNION_SORTED = Switch(
     "SPARSE_MLA_UNION_SORTED", "0", "0, 1", "per call", "sparse_mla.union.backends",
     "`build_group_union` on a GPU that runs the CUDA union builders: `1` emits the sorted unions from one kernel "
-    "(`union/cuda_sorted.cu`: its source tested on the CPU, not yet run on a GPU), `0` builds them with the step builder and sorts them in torch",
+    "(`union/cuda_sorted.cu`: its source tested on the CPU, not yet run on a GPU), `0` builds them with the step "
+    "builder and sorts them in torch",
     tuning=True)
 GLUON_SCHEDULE = Switch(
     "SPARSE_MLA_GLUON_SCHEDULE", "pair", "pair, split", "at import", "sparse_mla.mqa.gluon_sm90.config",
