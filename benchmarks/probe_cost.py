@@ -20,11 +20,11 @@ import statistics
 import time
 
 import torch
-import triton
 
 from sparse_mla import SparseMLAWorkspace, sparse_mla_fwd
 from sparse_mla.bench import op
-from sparse_mla.bench.common import print_rows, run_meta, write_json
+from sparse_mla.bench.common import print_rows, run_meta, timing_note, write_json
+from sparse_mla.bench.timing import median_ms
 from sparse_mla.union import probe as union_probe
 
 CALLS = ("per_token", "grouped", "grouped_noprobe", "grouped_noguard", "auto")
@@ -89,7 +89,7 @@ def run(heads: list[int], lists: list[str], trials: int, warm_s: float, seed: in
                 order = list(CALLS)
                 rng.shuffle(order)
                 for k in order:
-                    times[k].append(triton.testing.do_bench(fns[k], warmup=25, rep=150, return_mode="median"))
+                    times[k].append(median_ms(fns[k], warmup_ms=25, rep_ms=150))
             row = dict(case=case.name, heads=h, lists=preset, trials_ms=times, max_abs_diff_vs_per_token=diff,
                        **{f"{k}_ms": statistics.median(v) for k, v in times.items()})
             row["auto_vs_best"] = row["auto_ms"] / min(row["per_token_ms"], row["grouped_ms"])
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
     rows = run([int(h) for h in a.heads.split(",")], a.lists.split(","), a.trials, a.warm_s)
-    write_json(a.json, run_meta(timing=f"{a.trials} shuffled trials of do_bench(warmup=25 ms, rep=150 ms) medians"),
+    write_json(a.json, run_meta(timing=timing_note(trials=a.trials, warmup_ms=25, rep_ms=150) + "; call order shuffled per trial"),
                rows)
     print_rows("probe cost and auto", rows, {
         "case": lambda r: r["case"], "per token": lambda r: f"{r['per_token_ms']:.3f}",

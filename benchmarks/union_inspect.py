@@ -12,10 +12,10 @@ import argparse
 import os
 
 import torch
-import triton
 
 from sparse_mla import build_group_union, env
-from sparse_mla.bench.common import print_rows, run_meta, write_json
+from sparse_mla.bench.common import print_rows, run_meta, timing_note, write_json
+from sparse_mla.bench.timing import median_ms
 from sparse_mla.workloads import synthetic_batch
 
 BUILDERS = {  # name -> (SPARSE_MLA_UNION_BACKEND, SPARSE_MLA_UNION_SORTED)
@@ -37,7 +37,7 @@ def time_case(tokens: int, G: int, lists: str, topk: int = 2048) -> dict:
         try:
             outs[name] = fn()
             torch.cuda.synchronize()
-            row[f"{name}_ms"] = triton.testing.do_bench(fn, warmup=30, rep=200, return_mode="median")
+            row[f"{name}_ms"] = median_ms(fn, warmup_ms=30, rep_ms=200)
         except Exception as exc:  # recorded: e.g. the hash table cannot hold G * K entries at G 16
             row[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
     for switch in (env.UNION_BACKEND, env.UNION_SORTED):
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(time_case(int(tokens), int(G), lists))
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
-    write_json(a.json, run_meta(timing="do_bench(warmup=30 ms, rep=200 ms) median per builder"), rows)
+    write_json(a.json, run_meta(timing=timing_note(warmup_ms=30, rep_ms=200)), rows)
     ms = lambda k: (lambda r: f"{r[k]:.3f}" if k in r else "-")  # noqa: E731
     print_rows("build_group_union", rows, {
         "tokens": lambda r: str(r["tokens"]), "G": lambda r: str(r["G"]), "lists": lambda r: r["lists"],
