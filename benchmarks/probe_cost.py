@@ -44,20 +44,25 @@ def _no_probe():
 def _calls(inp: dict, heads: int) -> dict:
     q, kv, idx = inp["q"], inp["kv"], inp["indices"]
     T = q.shape[0]
-    ws = SparseMLAWorkspace.for_problem(T, idx.shape[1], heads, inp["N"], q.device)
+    # one workspace per grouped call: a warm call replays the launches recorded for its tensors (sparse_mla.call_cache),
+    # so two calls sharing a workspace would replay whichever of them recorded first, probe or not
+    ws = {k: SparseMLAWorkspace.for_problem(T, idx.shape[1], heads, inp["N"], q.device)
+          for k in ("grouped", "grouped_noprobe", "grouped_noguard")}
     out = torch.empty(T, heads, 512, dtype=q.dtype, device=q.device)
     kw = dict(topk_length=inp["topk_length"], out=out)
 
     def grouped_noprobe():
         with _no_probe():
-            return sparse_mla_fwd(q, kv, idx, inp["sm_scale"], method="grouped", workspace=ws, **kw)
+            return sparse_mla_fwd(q, kv, idx, inp["sm_scale"], method="grouped", workspace=ws["grouped_noprobe"],
+                                  **kw)
 
     return {
         "per_token": lambda: sparse_mla_fwd(q, kv, idx, inp["sm_scale"], method="per_token", **kw),
-        "grouped": lambda: sparse_mla_fwd(q, kv, idx, inp["sm_scale"], method="grouped", workspace=ws, **kw),
+        "grouped": lambda: sparse_mla_fwd(q, kv, idx, inp["sm_scale"], method="grouped", workspace=ws["grouped"],
+                                          **kw),
         "grouped_noprobe": grouped_noprobe,
-        "grouped_noguard": lambda: sparse_mla_fwd(q, kv, idx, inp["sm_scale"], method="grouped", workspace=ws,
-                                                  overlap_guard=math.inf, **kw),
+        "grouped_noguard": lambda: sparse_mla_fwd(q, kv, idx, inp["sm_scale"], method="grouped",
+                                                  workspace=ws["grouped_noguard"], overlap_guard=math.inf, **kw),
         "auto": lambda: sparse_mla_fwd(q, kv, idx, inp["sm_scale"], **kw),
     }
 

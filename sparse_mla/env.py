@@ -47,7 +47,8 @@ UNION_BACKEND = Switch(
     "reason")
 UNION_SORTED = Switch(
     "SPARSE_MLA_UNION_SORTED", "0", "0, 1", "per call", "sparse_mla.union.backends",
-    "`build_group_union` on a GPU that runs the CUDA union builders: `1` emits the sorted unions from one kernel "
+    "`build_group_union` on a GPU that runs the CUDA union builders, with `SPARSE_MLA_UNION_BACKEND` auto: `1` emits "
+    "the sorted unions from one kernel "
     "(`union/cuda_sorted.cu`: its source tested on the CPU, not yet run on a GPU), `0` builds them with the step "
     "builder and sorts them in torch",
     tuning=True)

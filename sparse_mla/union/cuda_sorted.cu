@@ -214,8 +214,10 @@ sparse_mla_union_sorted(
                             }
                         }
                 }
+                // No barrier here: every thread's reads of this round (its words, then s_warp) come before it
+                // arrives at the scan's next barrier, and the next round's s_warp writes and the next pass's clear
+                // of the words both come after a barrier every thread has passed.
                 u += total;
-                __syncthreads();  // s_warp is reused by the next round's scan, words by the next pass
             }
         }
     }

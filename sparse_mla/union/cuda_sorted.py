@@ -5,7 +5,8 @@
 afterwards. This kernel emits them sorted: one CTA per group marks each valid row of the group's row window
 [lo, hi] in a membership array in shared memory (``FIELD_BITS`` bits per row: 8 for G <= 8, 16 for G <= 16),
 then scans it in row order and writes rows, membership words and the -1 / 0 tail in the same launch. Its cost
-is O(G K + window / rows per pass) per group; the kernel's header comment states the algorithm.
+per group is O(passes * G K + window / rows per word) (the entries are read once per pass; one pass covers up to
+~0.9M rows at G <= 8); the kernel's header comment states the algorithm.
 
 A group whose window needs more than ``MAX_PASSES`` passes (rows spread over more than ~0.9M (G <= 8) or ~0.45M
 (G <= 16) kv rows) is not built (``union_len`` -2); ``build_sorted`` then returns None and the caller builds the
@@ -16,8 +17,9 @@ reference and times it (tests/union/test_cuda_sorted.py). In CI it compiles with
 and its source runs on the CPU against Python sets (``tests/testlib/cuda_emulation.py``: one std::thread per CUDA
 thread, garbage shared memory), in one pass, in several, and into the fallback.
 
-Shared memory per CTA: ``PASS_SMEM_BYTES`` at most (two CTAs of 1024 threads per SM on the H200), less when
-``num_kv_rows`` bounds the window (46K rows at G = 8: 45 KiB).
+Shared memory per CTA: ``PASS_SMEM_BYTES`` at most (two CTAs of 1024 threads per SM on sm_90), less when
+``num_kv_rows`` bounds the window (46K rows at G = 8: 45 KiB) or the device allows less per block (99 KiB on
+sm_86 / sm_89: fewer rows per pass).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ THREADS = 1024
 MIN_BLOCKS = 2  # __launch_bounds__: two CTAs of 1024 threads per SM (32 registers, no spills: NVRTC check in CI)
 UNROLL = 4  # index loads in flight per thread
 MAX_GROUP_SIZE = 16
-PASS_SMEM_BYTES = 112 * 1024  # two CTAs per SM on sm_90 (227 KiB per SM)
+PASS_SMEM_BYTES = 112 * 1024  # two CTAs per SM on sm_90 (228 KiB per SM, 1 KiB of it reserved per CTA)
 MAX_PASSES = 8
 MAX_ENTRIES = 1 << 30
 
@@ -104,11 +106,6 @@ def get_kernel(device_index: int, options: tuple[str, ...]):
     return kern
 
 
-def compiled_kernel_count() -> int:
-    """Compiled (device, options) variants held."""
-    return len(_KERNELS)
-
-
 @dataclass(frozen=True)
 class LaunchConfig:
     """One launch: grid (groups), block, dynamic shared memory, the kernel's arguments in order (numpy scalars:
@@ -150,7 +147,8 @@ def build_sorted(indices: torch.Tensor, group_size: int, topk_length: torch.Tens
         topk_length: [T] int32 contiguous or None.
         num_kv_rows: N (up to 2**31).
         smem_cap, max_passes: shared memory per pass and passes allowed (default ``PASS_SMEM_BYTES``,
-            ``MAX_PASSES``; tests shrink them to force several passes and the fallback).
+            ``MAX_PASSES``; tests shrink them to force several passes and the fallback); the pass never asks for
+            more than the device allows per block.
 
     Returns:
         (rows, bits, lengths): [ceil(T / G), G * K] int32 rows sorted ascending, -1 after lengths; membership
@@ -158,7 +156,8 @@ def build_sorted(indices: torch.Tensor, group_size: int, topk_length: torch.Tens
         Synchronizes once (the fallback check).
 
     Raises:
-        ValueError: G out of range, G * K past ``MAX_ENTRIES``, tensors not on a CUDA device.
+        ValueError: G out of range, G * K past ``MAX_ENTRIES``, tensors not on a CUDA device, indices' last dim
+            or topk_length not contiguous.
     """
     dev = indices.device
     if dev.type != "cuda":
@@ -168,8 +167,10 @@ def build_sorted(indices: torch.Tensor, group_size: int, topk_length: torch.Tens
     T, K = indices.shape
     if group_size * K > MAX_ENTRIES:
         raise ValueError(f"G * K = {group_size * K} entries per group exceed {MAX_ENTRIES}")
-    if indices.stride(1) != 1 or (topk_length is not None and not topk_length.is_contiguous()):
-        raise ValueError("indices need a contiguous last dim and topk_length must be contiguous")
+    if indices.stride(1) != 1:
+        raise ValueError(f"indices must have a contiguous last dim, got strides {tuple(indices.stride())}")
+    if topk_length is not None and not topk_length.is_contiguous():
+        raise ValueError("topk_length must be contiguous")
     n_groups = -(-T // group_size)
     width = group_size * K
     rows = torch.empty(n_groups, width, dtype=torch.int32, device=dev)
@@ -177,10 +178,12 @@ def build_sorted(indices: torch.Tensor, group_size: int, topk_length: torch.Tens
     lengths = torch.empty(n_groups, dtype=torch.int32, device=dev)
     if n_groups == 0:
         return rows, bits, lengths
-    cfg = launch_config(indices, group_size, topk_length, num_kv_rows, rows, bits, lengths,
-                        PASS_SMEM_BYTES if smem_cap is None else smem_cap, MAX_PASSES if max_passes is None else max_passes)
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     kern = get_kernel(idx, compile_options(group_size))
+    device_cap = (cuda_smem.max_smem_per_block(idx) - kern.shared_size_bytes) // 16 * 16
+    cap = min(PASS_SMEM_BYTES if smem_cap is None else smem_cap, device_cap)
+    cfg = launch_config(indices, group_size, topk_length, num_kv_rows, rows, bits, lengths, cap,
+                        MAX_PASSES if max_passes is None else max_passes)
     cuda_smem.launch_on(kern, idx, (cfg.grid, ), (cfg.block, ), cfg.smem_bytes, cfg.args,
                         torch.cuda.current_stream(idx).cuda_stream)
     if int(lengths.min()) < -1:  # the one sync: some window was too wide

@@ -4,6 +4,7 @@ builds its unions in a workspace, unsorted)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,8 @@ from . import cuda_sorted
 from .grouping import MAX_GROUP_SIZE
 from .planning import plan_groups
 from .workspace import SparseMLAWorkspace
+
+logger = logging.getLogger("sparse_mla")
 
 
 @dataclass
@@ -85,7 +88,8 @@ def build_group_union(
     Raises:
         TypeError: non-tensor or non-int32 indices / topk_length, a group_size or num_kv_rows that is not
             an int (``validate_group_union_args``). ValueError: bad shapes or devices,
-            group_size out of range, num_kv_rows < 1, CPU tensors without TRITON_INTERPRET=1.
+            group_size out of range, num_kv_rows < 1, CPU tensors without TRITON_INTERPRET=1,
+            SPARSE_MLA_UNION_SORTED neither 0 nor 1.
     """
     indices, group_size, topk_length, N = validate_group_union_args(indices, group_size, topk_length, num_kv_rows,
                                                                     MAX_GROUP_SIZE)
@@ -93,7 +97,10 @@ def build_group_union(
     require_kernel_tensor("indices", indices)
     indices = indices.contiguous()
     n_groups = -(-T // group_size)
-    if T > 0 and union_backends.choose_inspection_builder(indices.device, group_size, K).name == "cuda_sorted":
+    builder = union_backends.choose_inspection_builder(indices.device, group_size, K)
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("build_group_union: builder %s (%s)", *builder)
+    if T > 0 and builder.name == "cuda_sorted":
         built = cuda_sorted.build_sorted(indices, group_size, topk_length, N)
         if built is not None:
             return GroupUnion(*built, group_size)

@@ -23,6 +23,12 @@ H200 = backends.UnionDeviceFacts("cuda", (9, 0), 232448, False, None)
 CPU = backends.UnionDeviceFacts("cpu", None, 0, True, None)
 
 
+def test_plan_passes_fits_a_smaller_cap():
+    """A device with 99 KiB per block (sm_86 / sm_89): build_sorted caps the pass there, fewer rows per pass."""
+    plan = cuda_sorted.plan_passes(16, 2**31, 101376 - 512)
+    assert plan.smem_bytes <= 101376 - 512 and plan.smem_bytes % 16 == 0 and plan.find_window
+
+
 @pytest.mark.parametrize("G, N, pass_rows, smem, find_window", [
     pytest.param(8, 46080, 46080, 46080, False, id="G8-46K-one-pass-8-bit-fields"),
     pytest.param(16, 46080, 46080, 92160, False, id="G16-46K-one-pass-16-bit-fields"),
@@ -199,7 +205,7 @@ def test_build_group_union_runs_the_sorted_kernel_and_falls_back(monkeypatch):
     idx = lists_of_kind("neighbour", 40, 24, 4000, g)
     check_union(idx, 8, num_kv_rows=4000)
     assert calls == [True]
-    monkeypatch.setattr(cuda_sorted, "PASS_SMEM_BYTES", 16)  # 64 rows per pass at G = 8
+    monkeypatch.setattr(cuda_sorted, "PASS_SMEM_BYTES", 16)  # 16 rows per pass at G = 8 (8-bit fields)
     monkeypatch.setattr(cuda_sorted, "MAX_PASSES", 1)  # windows of the neighbour lists span more
     check_union(idx, 8, num_kv_rows=4000)
     assert calls == [True, False]
@@ -213,12 +219,15 @@ def test_sorted_at_full_size_matches_the_hash_builder():
     from sparse_mla.workloads import synthetic_batch
 
     b = synthetic_batch([4096], [2048], 2048, "mid", seed=3, device=DEVICE)
+    real = cuda_sorted.build_sorted
     for G in (8, 16):
+        ran = []
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("SPARSE_MLA_UNION_SORTED", "1")
             mp.delenv(backends.ENV_VAR, raising=False)
+            mp.setattr(cuda_sorted, "build_sorted", lambda *a, _ran=ran, **k: _ran.append(real(*a, **k)) or _ran[-1])
             fast = build_group_union(b.indices, G, topk_length=b.valid, num_kv_rows=6144)
-            assert backends.choose_inspection_builder(DEVICE, G, 2048).name == "cuda_sorted"
+        assert len(ran) == 1 and ran[0] is not None, "the sorted kernel did not build this call"
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv(backends.ENV_VAR, "cuda_smem" if G == 8 else "triton")
             slow = build_group_union(b.indices, G, topk_length=b.valid, num_kv_rows=6144)
