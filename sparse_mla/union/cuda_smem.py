@@ -191,20 +191,27 @@ def get_kernel(device_index: int, options: tuple[str, ...] | None = None):
     shared memory limit is raised to the device's opt-in maximum and the carveout set to maximum
     shared memory (two 96 KiB tables per SM on the H200)."""
     options = compile_options() if options is None else tuple(options)
+    return compiled_raw_kernel(_KERNELS, device_index, source, KERNEL_NAME, options)
+
+
+def compiled_raw_kernel(cache: dict, device_index: int, source_fn, name: str, options: tuple[str, ...]):
+    """``cache[(device_index, options)]``, compiled on first use from ``source_fn()`` (CuPy ``RawKernel`` ``name``)
+    with the dynamic shared memory limit at the device's opt-in maximum and the carveout at maximum shared memory.
+    Thread-safe; the union kernels' one compile path (``get_kernel``, ``cuda_sorted.get_kernel``)."""
     key = (device_index, options)
-    kern = _KERNELS.get(key)
+    kern = cache.get(key)
     if kern is not None:
         return kern
     with _LOCK:
-        kern = _KERNELS.get(key)
+        kern = cache.get(key)
         if kern is None:
             cp = _cupy()
             with cp.cuda.Device(device_index):
-                kern = cp.RawKernel(source(), KERNEL_NAME, options=options)
+                kern = cp.RawKernel(source_fn(), name, options=options)
                 kern.compile()
                 kern.max_dynamic_shared_size_bytes = max_smem_per_block(device_index) - kern.shared_size_bytes
                 kern.preferred_shared_memory_carveout = 100
-            _KERNELS[key] = kern
+            cache[key] = kern
     return kern
 
 

@@ -24,7 +24,6 @@ sm_86 / sm_89: fewer rows per pass).
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,27 +82,13 @@ def plan_passes(group_size: int, num_kv_rows: int, smem_cap: int = PASS_SMEM_BYT
     return SortedPlan(quads * per_quad, quads * 16, max_passes, need_quads > cap_quads)
 
 
-_LOCK = threading.Lock()
 _KERNELS: dict[tuple[int, tuple[str, ...]], object] = {}
 
 
 def get_kernel(device_index: int, options: tuple[str, ...]):
-    """The compiled kernel (CuPy ``RawKernel``) for a device and options, compiled on first use."""
-    key = (device_index, options)
-    kern = _KERNELS.get(key)
-    if kern is not None:
-        return kern
-    with _LOCK:
-        kern = _KERNELS.get(key)
-        if kern is None:
-            cp = cuda_smem._cupy()
-            with cp.cuda.Device(device_index):
-                kern = cp.RawKernel(source(), KERNEL_NAME, options=options)
-                kern.compile()
-                kern.max_dynamic_shared_size_bytes = cuda_smem.max_smem_per_block(device_index) - kern.shared_size_bytes
-                kern.preferred_shared_memory_carveout = 100
-            _KERNELS[key] = kern
-    return kern
+    """The compiled kernel (CuPy ``RawKernel``) for a device and options, compiled on first use
+    (``cuda_smem.compiled_raw_kernel``)."""
+    return cuda_smem.compiled_raw_kernel(_KERNELS, device_index, source, KERNEL_NAME, options)
 
 
 @dataclass(frozen=True)

@@ -111,6 +111,23 @@ template <class T> static inline T min(T a, T b) { return a < b ? a : b; }
 template <class T> static inline T max(T a, T b) { return a > b ? a : b; }
 #define __forceinline__ inline
 static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
+
+// Blocks one after another, each as `threads` std::threads running body(t); shared memory garbage before each.
+template <class Body> static void emu_run_blocks(int grid, int threads, Body body) {
+    std::barrier<> block_bar(threads);
+    emu_block_barrier = &block_bar;
+    std::vector<std::barrier<>*> bars;
+    for (int w = 0; w < threads / 32; ++w) { bars.push_back(new std::barrier<>(32)); emu_warps[w].bar = bars.back(); }
+    for (int b = 0; b < grid; ++b) {
+        blockIdx.x = (unsigned)b;
+        std::memset(emu_smem, 0x5a, sizeof(emu_smem));
+        std::vector<std::thread> pool;
+        pool.reserve(threads);
+        for (int t = 0; t < threads; ++t) pool.emplace_back([=] { threadIdx.x = (unsigned)t; body(); });
+        for (auto& th : pool) th.join();
+    }
+    for (auto* p : bars) delete p;
+}
 """
 
 ENTRY = r"""
@@ -122,26 +139,11 @@ extern "C" int emu_launch(int grid, int block, long long smem_bytes,
 {
     if (block != UNION_THREADS) return -1;
     if (smem_bytes > (long long)sizeof(emu_smem)) return -2;
-    std::barrier<> block_bar(UNION_THREADS);
-    emu_block_barrier = &block_bar;
-    std::vector<std::barrier<>*> bars;
-    for (int w = 0; w < UNION_THREADS / 32; ++w) { bars.push_back(new std::barrier<>(32)); emu_warps[w].bar = bars.back(); }
-    for (int b = 0; b < grid; ++b) {
-        blockIdx.x = (unsigned)b;
-        std::memset(emu_smem, 0x5a, sizeof(emu_smem));  // shared memory starts as garbage
-        std::vector<std::thread> threads;
-        threads.reserve(UNION_THREADS);
-        for (int t = 0; t < UNION_THREADS; ++t) {
-            threads.emplace_back([=] {
-                threadIdx.x = (unsigned)t;
-                sparse_mla_union_smem(indices, topk_length, group_start, group_len, route, union_rows, union_bits,
-                                      union_len, stride_it, stride_rg, num_kv_rows, K, G, log_slots, capacity,
-                                      guard_ratio, has_topk_length, has_guard);
-            });
-        }
-        for (auto& th : threads) th.join();
-    }
-    for (auto* p : bars) delete p;
+    emu_run_blocks(grid, UNION_THREADS, [=] {
+        sparse_mla_union_smem(indices, topk_length, group_start, group_len, route, union_rows, union_bits, union_len,
+                              stride_it, stride_rg, num_kv_rows, K, G, log_slots, capacity, guard_ratio,
+                              has_topk_length, has_guard);
+    });
     return 0;
 }
 """
@@ -165,21 +167,16 @@ def emulator_source() -> str:
 _LIBS: dict[tuple, ctypes.CDLL] = {}
 
 
-def build(threads: int = cuda_smem.THREADS, unroll: int = cuda_smem.UNROLL) -> tuple[ctypes.CDLL | None, str]:
-    """(library, "") or (None, why not): the emulated kernel compiled for ``threads`` / ``unroll``."""
+def _compile(src: str, defines: list[str], prefix: str) -> ctypes.CDLL:
     cxx = compiler()
-    if cxx is None:
-        return None, "no C++ compiler (g++ / clang++) on the PATH"
-    defines = [f"-DUNION_THREADS={threads}", f"-DUNION_UNROLL={unroll}", "-DUNION_MIN_BLOCKS=1"]
-    src = emulator_source()
     key = hashlib.sha256((src + " ".join(defines) + cxx).encode()).hexdigest()[:16]
     if key in _LIBS:
-        return _LIBS[key], ""
+        return _LIBS[key]
     out_dir = os.path.join(tempfile.gettempdir(), "sparse_mla_cuda_emulation")
     os.makedirs(out_dir, exist_ok=True)
-    so = os.path.join(out_dir, f"union_{key}.so")
+    so = os.path.join(out_dir, f"{prefix}_{key}.so")
     if not os.path.exists(so):
-        cpp = os.path.join(out_dir, f"union_{key}.cpp")
+        cpp = os.path.join(out_dir, f"{prefix}_{key}.cpp")
         with open(cpp, "w") as f:
             f.write(src)
         tmp = f"{so}.{os.getpid()}.tmp"
@@ -189,8 +186,17 @@ def build(threads: int = cuda_smem.THREADS, unroll: int = cuda_smem.UNROLL) -> t
             raise RuntimeError(f"the emulated kernel does not compile ({' '.join(cmd)}):\n{res.stderr[-4000:]}")
         os.replace(tmp, so)
     lib = ctypes.CDLL(so)
-    lib.emu_launch.restype = ctypes.c_int
     _LIBS[key] = lib
+    return lib
+
+
+def build(threads: int = cuda_smem.THREADS, unroll: int = cuda_smem.UNROLL) -> tuple[ctypes.CDLL | None, str]:
+    """(library, "") or (None, why not): the emulated kernel compiled for ``threads`` / ``unroll``."""
+    if compiler() is None:
+        return None, "no C++ compiler (g++ / clang++) on the PATH"
+    defines = [f"-DUNION_THREADS={threads}", f"-DUNION_UNROLL={unroll}", "-DUNION_MIN_BLOCKS=1"]
+    lib = _compile(emulator_source(), defines, "union")
+    lib.emu_launch.restype = ctypes.c_int
     return lib, ""
 
 
@@ -216,25 +222,10 @@ extern "C" int emu_launch_sorted(int grid, int block, long long smem_bytes,
 {
     if (block != SORTED_THREADS) return -1;
     if (smem_bytes > (long long)sizeof(emu_smem)) return -2;
-    std::barrier<> block_bar(SORTED_THREADS);
-    emu_block_barrier = &block_bar;
-    std::vector<std::barrier<>*> bars;
-    for (int w = 0; w < SORTED_THREADS / 32; ++w) { bars.push_back(new std::barrier<>(32)); emu_warps[w].bar = bars.back(); }
-    for (int b = 0; b < grid; ++b) {
-        blockIdx.x = (unsigned)b;
-        std::memset(emu_smem, 0x5a, sizeof(emu_smem));  // shared memory starts as garbage
-        std::vector<std::thread> threads;
-        threads.reserve(SORTED_THREADS);
-        for (int t = 0; t < SORTED_THREADS; ++t) {
-            threads.emplace_back([=] {
-                threadIdx.x = (unsigned)t;
-                sparse_mla_union_sorted(indices, topk_length, rows, bits, union_len, stride_it, stride_rg, num_kv_rows,
-                                        T, K, G, width, pass_rows, max_passes, find_window, has_topk_length);
-            });
-        }
-        for (auto& th : threads) th.join();
-    }
-    for (auto* p : bars) delete p;
+    emu_run_blocks(grid, SORTED_THREADS, [=] {
+        sparse_mla_union_sorted(indices, topk_length, rows, bits, union_len, stride_it, stride_rg, num_kv_rows, T, K,
+                                G, width, pass_rows, max_passes, find_window, has_topk_length);
+    });
     return 0;
 }
 """
@@ -245,29 +236,6 @@ def sorted_emulator_source() -> str:
     marker = "extern __shared__ uint4 words4[];"
     assert marker in src, "the sorted kernel's dynamic shared memory declaration changed: update cuda_emulation.py"
     return PRELUDE + src.replace(marker, "uint4* words4 = reinterpret_cast<uint4*>(emu_smem);") + SORTED_ENTRY
-
-
-def _compile(src: str, defines: list[str], prefix: str) -> ctypes.CDLL:
-    cxx = compiler()
-    key = hashlib.sha256((src + " ".join(defines) + cxx).encode()).hexdigest()[:16]
-    if key in _LIBS:
-        return _LIBS[key]
-    out_dir = os.path.join(tempfile.gettempdir(), "sparse_mla_cuda_emulation")
-    os.makedirs(out_dir, exist_ok=True)
-    so = os.path.join(out_dir, f"{prefix}_{key}.so")
-    if not os.path.exists(so):
-        cpp = os.path.join(out_dir, f"{prefix}_{key}.cpp")
-        with open(cpp, "w") as f:
-            f.write(src)
-        tmp = f"{so}.{os.getpid()}.tmp"
-        cmd = [cxx, "-std=c++20", "-O1", "-ffp-contract=off", "-fPIC", "-shared", "-pthread", *defines, cpp, "-o", tmp]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"the emulated kernel does not compile ({' '.join(cmd)}):\n{res.stderr[-4000:]}")
-        os.replace(tmp, so)
-    lib = ctypes.CDLL(so)
-    _LIBS[key] = lib
-    return lib
 
 
 def build_sorted(threads: int, group_size: int, unroll: int = cuda_sorted.UNROLL) -> tuple[ctypes.CDLL | None, str]:
