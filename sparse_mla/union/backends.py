@@ -32,7 +32,7 @@ import torch
 
 from .. import call_cache, env
 from ..choices import Choice, deprecated_alias, line
-from . import cuda_smem, cuda_sorted, triton_tl
+from . import cuda_smem, triton_tl
 from .grouping import default_group_size, overlap_guard_ratio
 
 logger = logging.getLogger("sparse_mla")
@@ -113,6 +113,12 @@ def cuda_smem_applies(facts: UnionDeviceFacts, group_size: int, topk: int, guard
     return True, False, f"{table} < {what}: larger unions would run per token"
 
 
+def _mode(mode: str | None) -> str:
+    """The union-builder mode: ``mode``, or ``SPARSE_MLA_UNION_BACKEND`` when None; empty means auto."""
+    mode = env.get(env.UNION_BACKEND) if mode is None else mode
+    return (mode or "auto").strip() or "auto"
+
+
 def choose_union_backend(device: torch.device | str | UnionDeviceFacts, group_size: int, topk: int, *,
                          guard_ratio: float | None = None, complete: bool = False, mode: str | None = None) -> Choice:
     """``Choice(backend, reason)`` for a union build of G = ``group_size`` lists of ``topk`` entries.
@@ -128,8 +134,7 @@ def choose_union_backend(device: torch.device | str | UnionDeviceFacts, group_si
             ``complete=True`` where its table cannot hold every entry.
     """
     facts = device if isinstance(device, UnionDeviceFacts) else device_facts(device)
-    mode = env.get(env.UNION_BACKEND) if mode is None else mode
-    mode = (mode or "auto").strip() or "auto"
+    mode = _mode(mode)
     if mode not in ("auto", *BACKENDS):
         raise ValueError(f"{ENV_VAR} must be one of auto, {', '.join(BACKENDS)}; got {mode!r}")
     if mode == "triton":
@@ -163,14 +168,13 @@ def choose_inspection_builder(device: torch.device | str | UnionDeviceFacts, gro
         ValueError: as ``choose_union_backend``; ``SPARSE_MLA_UNION_SORTED`` neither 0 nor 1.
     """
     facts = device if isinstance(device, UnionDeviceFacts) else device_facts(device)
-    mode = env.get(env.UNION_BACKEND) if mode is None else mode
-    mode = (mode or "auto").strip() or "auto"
+    mode = _mode(mode)
     sorted_kernel = (env.get(env.UNION_SORTED) if sorted_kernel is None else sorted_kernel).strip() or "0"
     if sorted_kernel not in ("0", "1"):
         raise ValueError(f"{env.UNION_SORTED.name} must be 0 or 1, got {sorted_kernel!r}")
     if mode == "auto" and sorted_kernel == "1":
-        runnable, _, why = cuda_smem_applies(facts, group_size, topk, None, True)
-        if runnable and group_size * topk <= cuda_sorted.MAX_ENTRIES:
+        runnable, _, _ = cuda_smem_applies(facts, group_size, topk, None, True)  # cuda_sorted shares its limits
+        if runnable:
             return Choice("cuda_sorted", f"{env.UNION_SORTED.name}=1 and the CUDA builders run here: unions sorted "
                                          "in the kernel")
     return choose_union_backend(facts, group_size, topk, complete=True, mode=mode)

@@ -15,8 +15,9 @@
 // dynamic shared memory), ORs every entry in the pass's rows into its field (shared-memory atomicOr; the entries
 // are read from global memory once per pass, SORTED_UNROLL loads in flight per thread), then emits the non-zero
 // fields in row order: in rounds of 4 words per thread, a block-wide exclusive scan of the per-thread counts
-// gives each thread its output position, so the rows leave sorted. A window that needs more than `max_passes` passes is not built
-// here: union_len[g] = -2 and nothing else is written for the group (the host builds such calls another way).
+// gives each thread its output position, so the rows leave sorted. A window that needs more than `max_passes`
+// passes is not built here: union_len[g] = -2 and nothing else is written for the group (the host builds such
+// calls another way).
 
 #ifndef SORTED_THREADS
 #define SORTED_THREADS 1024
@@ -34,7 +35,7 @@
 #define SORTED_WARPS (SORTED_THREADS / 32)
 #define SORTED_FULL 0xffffffffu
 #define FIELDS_PER_WORD (32 / FIELD_BITS)
-#define FIELD_MASK ((FIELD_BITS == 32) ? 0xffffffffu : ((1u << FIELD_BITS) - 1u))
+#define FIELD_MASK ((1u << FIELD_BITS) - 1u)
 
 #if (SORTED_THREADS % 32) != 0 || SORTED_THREADS > 1024 || SORTED_THREADS < 64
 #error "SORTED_THREADS must be a multiple of 32 in [64, 1024]"
@@ -128,7 +129,7 @@ sparse_mla_union_sorted(
     __syncthreads();
 
     int lo = 0;
-    int hi = (int)(num_kv_rows - 1 < 0x7fffffffLL ? num_kv_rows - 1 : 0x7fffffffLL);
+    int hi = (int)(num_kv_rows - 1);  // without find_window, N <= pass_rows (the launcher's plan)
     if (find_window) {
         lo = 0x7fffffff;
         hi = -1;

@@ -37,10 +37,10 @@ KERNEL_NAME = "sparse_mla_union_sorted"
 THREADS = 1024
 MIN_BLOCKS = 2  # __launch_bounds__: two CTAs of 1024 threads per SM (32 registers, no spills: NVRTC check in CI)
 UNROLL = 4  # index loads in flight per thread
-MAX_GROUP_SIZE = 16
+MAX_GROUP_SIZE = cuda_smem.MAX_GROUP_SIZE  # 16: membership fields of 8 or 16 bits
 PASS_SMEM_BYTES = 112 * 1024  # two CTAs per SM on sm_90 (228 KiB per SM, 1 KiB of it reserved per CTA)
 MAX_PASSES = 8
-MAX_ENTRIES = 1 << 30
+MAX_ENTRIES = cuda_smem.MAX_ENTRIES  # G * K per group: int32 entry counters inside the kernel
 
 
 def source() -> str:

@@ -112,7 +112,8 @@ template <class T> static inline T max(T a, T b) { return a > b ? a : b; }
 #define __forceinline__ inline
 static inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
 
-// Blocks one after another, each as `threads` std::threads running body(t); shared memory garbage before each.
+// Blocks one after another, each as `threads` std::threads (threadIdx set) running body(); shared memory garbage
+// before each.
 template <class Body> static void emu_run_blocks(int grid, int threads, Body body) {
     std::barrier<> block_bar(threads);
     emu_block_barrier = &block_bar;
