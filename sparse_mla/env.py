@@ -61,12 +61,16 @@ GLUON_O_VIA_SMEM = Switch(
 GLUON_PERSISTENT = Switch(
     "SPARSE_MLA_GLUON_PERSISTENT", "1", "1, 0", "at import", "sparse_mla.mqa.gluon_sm90.config",
     "Gluon: a persistent grid, one CTA per SM (`1`), or one CTA per work item (`0`)", tuning=True)
+GLUON_KV_L2 = Switch(
+    "SPARSE_MLA_GLUON_KV_L2", "off", "off, evict_last", "at import", "sparse_mla.mqa.gluon_sm90.config",
+    "Gluon: `evict_last` gathers kv rows with FlashMLA's cp.async L2 hints (a 256-byte L2 prefetch under an "
+    "evict-last policy, `gluon_sm90/l2_hints.py`; not yet timed on a GPU), `off` with plain cp.async", tuning=True)
 GLUON_FP8_PRODUCER_REGS = Switch(
     "SPARSE_MLA_GLUON_FP8_PRODUCER_REGS", "72", "an int", "at import", "sparse_mla.mqa.gluon_sm90.config",
     "Gluon: registers per producer thread of the FP8 (`fp8_ds_mla`) variant", tuning=True)
 
 SWITCHES: tuple[Switch, ...] = (PATH, MQA_BACKEND, UNION_BACKEND, UNION_SORTED, GLUON_SCHEDULE, GLUON_O_VIA_SMEM,
-                                GLUON_PERSISTENT, GLUON_FP8_PRODUCER_REGS)
+                                GLUON_PERSISTENT, GLUON_KV_L2, GLUON_FP8_PRODUCER_REGS)
 
 # The modules that define Triton / Gluon kernels (decorated at import: TRITON_INTERPRET must be set before them).
 KERNEL_MODULES = (
@@ -123,4 +127,4 @@ def markdown_table() -> str:
 
 __all__ = ["KERNEL_MODULES", "SWITCHES", "Switch", "get", "interpreted", "kernels_imported", "markdown_table", *(
     "PATH", "MQA_BACKEND", "UNION_BACKEND", "UNION_SORTED", "GLUON_SCHEDULE", "GLUON_O_VIA_SMEM", "GLUON_PERSISTENT",
-    "GLUON_FP8_PRODUCER_REGS")]
+    "GLUON_KV_L2", "GLUON_FP8_PRODUCER_REGS")]

@@ -193,3 +193,28 @@ def test_persistent_ctas_over_items_of_every_length(monkeypatch, method, H, K):
     if method == "grouped":
         kw |= dict(cu_seqlens_q=cu_seqlens([20, 0, 17, 4]), overlap_guard=math.inf)
     _compare(monkeypatch, p, **kw)
+
+
+L2_HINTS = [  # (method, H, D_qk, K, N, dtype); the fp8_ds_mla variant: tests/mqa/test_kv_fp8.py
+    pytest.param("per_token", 64, 576, 257, 3000, torch.bfloat16, id="per-token-H64-K257"),
+    pytest.param("per_token", 128, 512, 190, 300, torch.float16, id="per-token-H128-d512-fp16"),
+    pytest.param("grouped", 16, 576, 130, 600, torch.bfloat16, id="grouped-H16-K130"),
+]
+
+
+@pytest.mark.parametrize("method, H, d_qk, K, N, dtype", L2_HINTS)
+def test_kv_l2_hints_change_no_bit(monkeypatch, method, H, d_qk, K, N, dtype):
+    """SPARSE_MLA_GLUON_KV_L2=evict_last (FlashMLA's cp.async L2 hints on the kv copies, ``gluon_sm90.l2_hints``)
+    gives bit-identical outputs to plain cp.async, and both match the reference and the Triton twin."""
+    T = 19
+    g = torch.Generator().manual_seed(H + K)
+    idx = adversarial_indices(T, K, N, generator=g, base=neighbour_rows(T, K, N, 0.8, generator=g))
+    idx, topk_length = garbage_topk_length(idx, N, generator=g)
+    p = make_problem(T, H, K, N, seed=K, indices=idx, d_qk=d_qk, dtype=dtype, topk_length=topk_length)
+    outs = {}
+    for mode in gluon_sm90.config.KV_L2_MODES:
+        monkeypatch.setattr(gluon_sm90.config, "KV_L2", mode)
+        _compare(monkeypatch, p, method=method)
+        outs[mode] = _run(monkeypatch, "gluon_sm90", p, method=method)
+    (a, la), (b, lb) = outs.values()
+    assert torch.equal(a, b) and torch.equal(la, lb)

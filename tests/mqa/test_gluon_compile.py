@@ -20,8 +20,12 @@ import json, re, subprocess, sys
 import triton
 from sparse_mla.mqa import gluon_sm90 as g
 ptxas = __import__("os").path.join(__import__("os").path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+from sparse_mla.mqa.gluon_sm90 import l2_hints
+HINTED = l2_hints.HINTED_COPY
 rows = []
-for v in g.all_variants():
+# every variant, then the L2_VARIANTS again with their kv copies hinted (SPARSE_MLA_GLUON_KV_L2=evict_last)
+for v, mode in [(v, "off") for v in g.all_variants()] + [(tuple(v), "evict_last") for v in L2_VARIANTS]:
+    g.config.KV_L2 = mode
     try:
         k = g.compile_variant(*v)
     except Exception as exc:
@@ -37,7 +41,9 @@ for v in g.all_variants():
     sass = subprocess.run([cuobjdump, "-sass", "/tmp/sparse_mla_gluon_check.cubin"], capture_output=True,
                           text=True).stdout
     rows.append(dict(variant=list(v), shared=k.metadata.shared, spills=spills, triton=triton.__version__,
-                     hot_local=hot_local_accesses(sass), e4m3_cvt="cvt.rn.f16x2.e4m3x2" in k.asm["ptx"]))
+                     hot_local=hot_local_accesses(sass), e4m3_cvt="cvt.rn.f16x2.e4m3x2" in k.asm["ptx"],
+                     kv_l2=g.config.KV_L2, plain_copies=len(re.findall(r"cp\.async\.cg\.shared\.global \[", k.asm["ptx"])),
+                     hinted_copies=k.asm["ptx"].count(HINTED), ltc256b_sass=sass.count("LDGSTS.E.BYPASS.LTC256B.128")))
 print(json.dumps(rows))
 """
 
@@ -71,9 +77,28 @@ def hot_local_accesses(sass):
 _SCRIPT = _SCRIPT.replace("rows = []", _SASS_SCAN + "\ncuobjdump = ptxas[:-len('ptxas')] + 'cuobjdump'\nrows = []")
 
 
+# The variants also compiled with the kv copies' L2 hints (gluon_sm90.l2_hints): both schedules, both D_qk, both
+# dtypes, per token and grouped, the fp8_ds_mla producer's RoPE copies.
+L2_VARIANTS = [(False, True, "bf16", "pair", False, False), (True, False, "fp16", "pair", False, False),
+               (False, True, "bf16", "split", False, False), (True, True, "bf16", "split", True, False)]
+_SCRIPT = _SCRIPT.replace("from sparse_mla.mqa import gluon_sm90 as g", "from sparse_mla.mqa import gluon_sm90 as g\n"
+                          f"L2_VARIANTS = {L2_VARIANTS!r}")
+
+
 @pytest.fixture(scope="module")
-def compiled():
+def compiled_all():
     return run_sm90_compile(_SCRIPT, "the Gluon kernels")
+
+
+@pytest.fixture(scope="module")
+def compiled(compiled_all):
+    """The rows of every variant as the package launches it by default (plain cp.async)."""
+    return [r for r in compiled_all if r.get("kv_l2", "off") == "off"]
+
+
+@pytest.fixture(scope="module")
+def hinted(compiled_all):
+    return [r for r in compiled_all if r.get("kv_l2") == "evict_last"]
 
 
 def test_triton_is_a_supported_version(compiled):
@@ -136,3 +161,23 @@ def test_sass_scan_finds_a_spill_in_a_loop():
         "        /*0140*/                   LDL R2, [R1] ;",
     ])
     assert ns["hot_local_accesses"](sass) == ["0x120 STL [R1+0x4], R4"]
+
+
+def test_kv_l2_hints_rewrite_every_kv_copy_and_no_q_copy(compiled, hinted):
+    """With SPARSE_MLA_GLUON_KV_L2=evict_last every kv-row cp.async of the variant carries FlashMLA's
+    L2::cache_hint.L2::256B form (PTX; LDGSTS.E.BYPASS.LTC256B in SASS), Q's copies stay plain (one 16-byte copy
+    per thread per 16 B of its 64 x D_qk tile: 36 at D_qk 576, 32 at 512), the copy count is the default
+    variant's, and the hinted variant spills no more than that (none in a tile loop)."""
+    assert len(hinted) == len(L2_VARIANTS)
+    errors = [row for row in hinted if "error" in row]
+    assert not errors, "\n".join(f"{r['variant']}: {r['error']}" for r in errors)
+    default = {tuple(r["variant"]): r for r in compiled}
+    for row in hinted:
+        v = tuple(row["variant"])
+        q_copies = 64 * (576 if v[1] else 512) * 2 // 16 // 128
+        assert row["plain_copies"] == q_copies, f"{v}: {row['plain_copies']} plain copies, Q has {q_copies}"
+        assert row["hinted_copies"] > 0 and row["ltc256b_sass"] > 0, v
+        assert row["hinted_copies"] + row["plain_copies"] == default[v]["plain_copies"], v
+        assert default[v]["hinted_copies"] == 0 and default[v]["ltc256b_sass"] == 0, v
+        assert row["spills"] is not None and row["spills"] <= default[v]["spills"], v
+        assert not row["hot_local"], f"{v}: local-memory accesses in a tile loop: {row['hot_local']}"

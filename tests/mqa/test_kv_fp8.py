@@ -397,6 +397,24 @@ def test_gluon_fp8_persistent_ctas_walk_many_items(monkeypatch, gluon_launches, 
 
 @pytest.mark.gpu
 @requires_gluon_fp8
+def test_gluon_fp8_kv_l2_hints_change_no_bit(monkeypatch, gluon_launches):
+    """SPARSE_MLA_GLUON_KV_L2=evict_last (the RoPE copies of the FP8 producer hinted, ``gluon_sm90.l2_hints``): bit-identical
+    to plain cp.async, and both match the reference and the Triton twin."""
+    from sparse_mla.mqa import gluon_sm90
+
+    H, K, N, T = 64, 130, 700, 9
+    q, cache, idx = fp8_problem(T, H, K, N, seed=91)
+    outs = []
+    for mode in gluon_sm90.config.KV_L2_MODES:
+        monkeypatch.setattr(gluon_sm90.config, "KV_L2", mode)
+        out, lse, _, _ = _fp8_backend_pair(monkeypatch, q, cache, idx, 576**-0.5, method="per_token")
+        outs.append((out.clone(), lse.clone()))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert torch.uint8 in gluon_launches, "the Gluon FP8 variant did not run"
+
+
+@pytest.mark.gpu
+@requires_gluon_fp8
 def test_gluon_fp8_warmup_then_steps_compile_nothing_and_graph_replays(gluon_launches):
     """warmup(kv_format="fp8_ds_mla") compiles the Gluon FP8 variants a step uses (per token and grouped, other token
     counts after it compile nothing), and a captured per-token call replays with new q equal to eager."""

@@ -50,7 +50,8 @@ variant for sm_90 with that Triton (tests/mqa/test_gluon_compile.py). Semantics:
 
 Modules: ``gluon_api`` (the Gluon imports, or ``GLUON_IMPORT_ERROR``), ``config`` (constants, launch configuration,
 knobs, the variants), ``signature`` (the 33 run-time arguments, written once), ``common`` (helpers both schedules
-call), ``split`` and ``pair`` (one schedule each, with its kernel), ``launcher`` (``launch``), ``aot``
+call), ``split`` and ``pair`` (one schedule each, with its kernel), ``l2_hints`` (FlashMLA's L2 hints on the kv
+copies, which Triton 3.6 drops, restored after lowering: ``SPARSE_MLA_GLUON_KV_L2``), ``launcher`` (``launch``), ``aot``
 (``compile_variant``). The kernel modules are imported only when Gluon imports.
 """
 

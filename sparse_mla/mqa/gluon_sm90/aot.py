@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import triton
 
-from . import config
+from . import config, l2_hints
 from .gluon_api import GLUON_IMPORT_ERROR
 from .signature import ALIGNED_ARGS, ARG_NAMES, aot_signature
 
@@ -27,4 +27,6 @@ def compile_variant(grouped: bool, has_pe: bool, dtype: str, schedule: str, kv_f
     signature.update({k: "constexpr" for k in cx})
     attrs = {(ARG_NAMES.index(n), ): [["tt.divisibility", 16]] for n in ALIGNED_ARGS}
     src = GluonASTSource(_kernel_for(schedule), signature, constexprs=cx, attrs=attrs)
+    if cx["KV_EVICT"]:  # its kv copies get the L2 hints, as at launch
+        l2_hints.install()
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": cx["num_warps"]})

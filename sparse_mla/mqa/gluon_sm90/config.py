@@ -1,7 +1,7 @@
 """Compile-time constants, launch configuration and knobs of the Gluon kernels; the variants the package launches.
 
-The knobs (``SCHEDULE``, ``ABLATE``, ``O_VIA_SMEM``, ``PERSISTENT``, ``FP8_PRODUCER_REGS``) live only here: the launcher
-and the ahead-of-time compile read them as ``config.X``, so a patch of this module applies to both."""
+The knobs (``SCHEDULE``, ``ABLATE``, ``O_VIA_SMEM``, ``PERSISTENT``, ``KV_L2``, ``FP8_PRODUCER_REGS``) live only here:
+the launcher and the ahead-of-time compile read them as ``config.X``, so a patch of this module applies to both."""
 
 from __future__ import annotations
 
@@ -36,6 +36,11 @@ O_VIA_SMEM = env.get(env.GLUON_O_VIA_SMEM) == "1"
 # Both schedules: one CTA per SM looping over the work items (the next item's first tiles land during this one's
 # epilogue) instead of one CTA per item.
 PERSISTENT = env.get(env.GLUON_PERSISTENT) == "1"
+# L2 hints on the kv-row cp.async copies (SPARSE_MLA_GLUON_KV_L2): "evict_last" marks them (constexpr KV_EVICT) and
+# l2_hints rewrites them to FlashMLA's L2::cache_hint.L2::256B form under an evict_last policy; "off" (the default)
+# keeps plain cp.async. Not yet timed on a GPU (docs/notes/attention-gluon.md).
+KV_L2_MODES = ("off", "evict_last")
+KV_L2 = env.get(env.GLUON_KV_L2)
 PAIR_CONSUMER_REGS = 232  # each consumer warpgroup; the producer (the default partition) gets what is left
 # fp8_ds_mla cache (KV_FP8): the producer dequantizes in registers, so it gets more of them (the consumers the rest).
 FP8_PRODUCER_REGS = int(env.get(env.GLUON_FP8_PRODUCER_REGS))
@@ -70,15 +75,18 @@ def variant_constexprs(grouped: bool, has_pe: bool, schedule: str | None = None,
         raise ValueError("an fp8_ds_mla variant needs D_qk 576 (has_pe): the format's rows are 576 wide")
     if kv_split and kv_split_missing(grouped, kv_fp8):
         raise ValueError(kv_split_missing(grouped, kv_fp8))
+    if KV_L2 not in KV_L2_MODES:
+        raise ValueError(f"SPARSE_MLA_GLUON_KV_L2 must be one of {KV_L2_MODES}, got {KV_L2!r}")
+    kv_evict = "evict_last" if KV_L2 == "evict_last" else ""
     if (schedule or schedule_for(kv_fp8)) == "split":
         return dict(GROUPED=grouped, HAS_PE=has_pe, STAGES=STAGES, PRODUCER_WARPS=PRODUCER_WARPS,
                     PRODUCER_REGS=FP8_PRODUCER_REGS if kv_fp8 else PRODUCER_REGS, ABLATE=ABLATE,
                     O_VIA_SMEM=O_VIA_SMEM and not grouped and not kv_split, KV_FP8=kv_fp8, KV_SPLIT=kv_split,
-                    num_warps=CONSUMER_WARPS)
+                    KV_EVICT=kv_evict, num_warps=CONSUMER_WARPS)
     if kv_fp8:
         raise ValueError("the pair schedule has no fp8_ds_mla variant (FP8_SCHEDULES)")
     return dict(GROUPED=grouped, HAS_PE=has_pe, CONSUMER_REGS=PAIR_CONSUMER_REGS, O_VIA_SMEM=O_VIA_SMEM and not kv_split,
-                KV_SPLIT=kv_split, num_warps=4)
+                KV_SPLIT=kv_split, KV_EVICT=kv_evict, num_warps=4)
 
 
 def all_variants() -> list[tuple[bool, bool, str, str, bool, bool]]:

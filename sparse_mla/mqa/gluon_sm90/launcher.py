@@ -12,7 +12,7 @@ import triton
 
 from ...kv_format import FP8_DS_MLA
 from ...launch_cache import LaunchCache
-from . import config
+from . import config, l2_hints
 from .config import BLOCK_H, D_V, LOG2E, SCHEDULES
 from .gluon_api import GLUON_IMPORT_ERROR
 
@@ -111,6 +111,8 @@ def launch(q, kv, rows, bits, nrows, group_start, group_len, route, out, lse, sm
     cx = config.variant_constexprs(grouped, D > D_V, schedule, kv_fp8, kv_split is not None)
     options = {"num_warps": cx.pop("num_warps")}
     key = (schedule, q.dtype, kv.dtype, options["num_warps"], *cx.values())
+    if cx["KV_EVICT"]:  # a marked variant compiles with the L2 hints (its first launch compiles it)
+        l2_hints.install()
     _launcher_for(schedule)(key, (grid, ), (
         q, kv, rows, bits if bits is not None else dummy, nrows if nrows is not None else dummy,
         group_start if group_start is not None else dummy, group_len if group_len is not None else dummy,

@@ -98,9 +98,9 @@ def _pair_qk_rope(q_r, ring_r, st, z, s):
 
 @gluon.jit
 def _pair_gather(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, i, k, ring_l, ring_h, ring_r, hb,
-                 HAS_PE: gl.constexpr):
+                 HAS_PE: gl.constexpr, KV_EVICT: gl.constexpr):
     """Tiles 2i, 2i + 1 of list ``gid`` (the CTA's pair k) as half tiles, in the order the consumers free them:
-    L0, R1, R0, L1."""
+    L0, R1, R0, L1. KV_EVICT: the copies' eviction policy ("" or "evict_last", made an L2 hint by ``l2_hints``)."""
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     ch = gl.arange(0, 256, layout=gl.SliceLayout(0, blk))
     cr = gl.arange(0, _DPE, layout=gl.SliceLayout(0, blk))
@@ -112,27 +112,33 @@ def _pair_gather(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, i, k,
     base0 = kv_ptr + gl.where(ok0, idx0, 0).to(gl.int64)[:, None] * stride_kvn
     base1 = kv_ptr + gl.where(ok1, idx1, 0).to(gl.int64)[:, None] * stride_kvn
     mbarrier.wait(hb.index(4), ph)  # L0 free
-    async_copy.async_copy_global_to_shared(ring_l.index(0), base0 + ch[None, :], mask=ok0[:, None])
+    async_copy.async_copy_global_to_shared(ring_l.index(0), base0 + ch[None, :], mask=ok0[:, None],
+                                           eviction_policy=KV_EVICT)
     async_copy.mbarrier_arrive(hb.index(0), increment_count=False)
     mbarrier.wait(hb.index(7), ph)  # R1 free
-    async_copy.async_copy_global_to_shared(ring_h.index(1), base1 + 256 + ch[None, :], mask=ok1[:, None])
+    async_copy.async_copy_global_to_shared(ring_h.index(1), base1 + 256 + ch[None, :], mask=ok1[:, None],
+                                           eviction_policy=KV_EVICT)
     if HAS_PE:
-        async_copy.async_copy_global_to_shared(ring_r.index(1), base1 + _DV + cr[None, :], mask=ok1[:, None])
+        async_copy.async_copy_global_to_shared(ring_r.index(1), base1 + _DV + cr[None, :], mask=ok1[:, None],
+                                               eviction_policy=KV_EVICT)
     async_copy.mbarrier_arrive(hb.index(3), increment_count=False)
     mbarrier.wait(hb.index(6), ph)  # R0 free
-    async_copy.async_copy_global_to_shared(ring_h.index(0), base0 + 256 + ch[None, :], mask=ok0[:, None])
+    async_copy.async_copy_global_to_shared(ring_h.index(0), base0 + 256 + ch[None, :], mask=ok0[:, None],
+                                           eviction_policy=KV_EVICT)
     if HAS_PE:
-        async_copy.async_copy_global_to_shared(ring_r.index(0), base0 + _DV + cr[None, :], mask=ok0[:, None])
+        async_copy.async_copy_global_to_shared(ring_r.index(0), base0 + _DV + cr[None, :], mask=ok0[:, None],
+                                               eviction_policy=KV_EVICT)
     async_copy.mbarrier_arrive(hb.index(2), increment_count=False)
     mbarrier.wait(hb.index(5), ph)  # L1 free
-    async_copy.async_copy_global_to_shared(ring_l.index(1), base1 + ch[None, :], mask=ok1[:, None])
+    async_copy.async_copy_global_to_shared(ring_l.index(1), base1 + ch[None, :], mask=ok1[:, None],
+                                           eviction_policy=KV_EVICT)
     async_copy.mbarrier_arrive(hb.index(1), increment_count=False)
 
 @gluon.jit
 def _pair_producer(q_ptr, kv_ptr, rows_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, stride_qt, stride_qh,
                    stride_kvn, row_stride, N, H, K, m_blocks, group_heads, has_nrows, has_route, num_work, q_v, q_r,
                    ring_l, ring_h, ring_r, hb, q_bars, num_splits, GROUPED: gl.constexpr, HAS_PE: gl.constexpr,
-                   KV_SPLIT: gl.constexpr):
+                   KV_SPLIT: gl.constexpr, KV_EVICT: gl.constexpr):
     """Persistent producer: per work item, its first pair of tiles (they may land while the consumers finish
     the previous item), then Q (once both consumers freed it: q_bars[1]; landed: q_bars[0]), then the rest."""
     k = 0
@@ -146,13 +152,13 @@ def _pair_producer(q_ptr, kv_ptr, rows_ptr, nrows_ptr, gstart_ptr, glen_ptr, rou
             n_pairs = gl.cdiv(n_rows, 2 * _BN)
             if n_pairs > 0:
                 _pair_gather(kv_ptr, rows_w, row_stride, stride_kvn, N, gid, n_rows, 0, k, ring_l, ring_h, ring_r,
-                             hb, HAS_PE)
+                             hb, HAS_PE, KV_EVICT)
             mbarrier.wait(q_bars.index(1), (it & 1) ^ 1)  # Q buffer free (a fresh barrier passes parity 1)
             _issue_q(q_ptr, q_v.index(0), q_r.index(0), stride_qt, stride_qh, mb, tok0, H, n_heads, GROUPED, HAS_PE)
             async_copy.mbarrier_arrive(q_bars.index(0), increment_count=False)
             for i in range(1, n_pairs):
                 _pair_gather(kv_ptr, rows_w, row_stride, stride_kvn, N, gid, n_rows, i, k + i, ring_l, ring_h,
-                             ring_r, hb, HAS_PE)
+                             ring_r, hb, HAS_PE, KV_EVICT)
             k += n_pairs
             it += 1
 
@@ -410,7 +416,7 @@ def sparse_mqa_sm90_pair_kernel(
     N, H, K, qk_scale, m_blocks, group_heads, has_nrows, has_route, has_lse,
     sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl, num_work, num_splits,
     GROUPED: gl.constexpr, HAS_PE: gl.constexpr, CONSUMER_REGS: gl.constexpr, O_VIA_SMEM: gl.constexpr,
-    KV_SPLIT: gl.constexpr, num_warps: gl.constexpr,
+    KV_SPLIT: gl.constexpr, KV_EVICT: gl.constexpr, num_warps: gl.constexpr,
 ):
     """The pair schedule (module comment above); same arguments and grid as ``sparse_mqa_sm90_kernel``."""
     smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -452,7 +458,7 @@ def sparse_mqa_sm90_pair_kernel(
         (_pair_producer, (q_ptr, kv_ptr, rows_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, stride_qt,
                           stride_qh, stride_kvn, row_stride, N, H, K, m_blocks, group_heads, has_nrows, has_route,
                           num_work, q_v, q_r, ring_l, ring_h, ring_r, hb, q_bars, num_splits, GROUPED, HAS_PE,
-                          KV_SPLIT)),
+                          KV_SPLIT, KV_EVICT)),
         (_pair_wg0, (q_v, q_r, ring_l, ring_h, ring_r, s_p0, s_p1, s_m0, s_m1, s_l0, s_l1, hb, bars, q_bars, rows_ptr,
                      bits_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, row_stride, N, H, K, m_blocks,
                      group_heads, has_nrows, has_route, num_work, out_ptr, lse_ptr, stride_ot, stride_oh,

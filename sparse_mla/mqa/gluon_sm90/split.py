@@ -25,8 +25,9 @@ from .signature import DO_NOT_SPECIALIZE
 
 @gluon.jit
 def _gather_tile(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, c, ring_v, ring_r, ready, empty,
-                 HAS_PE: gl.constexpr, STAGES: gl.constexpr):
-    """Tile j of list ``gid`` into stage c % STAGES (c: the CTA's running tile count, for the phase)."""
+                 HAS_PE: gl.constexpr, STAGES: gl.constexpr, KV_EVICT: gl.constexpr):
+    """Tile j of list ``gid`` into stage c % STAGES (c: the CTA's running tile count, for the phase). KV_EVICT: the
+    copies' eviction policy ("" or "evict_last", made an L2 hint by ``l2_hints``)."""
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     cv = gl.arange(0, _DV, layout=gl.SliceLayout(0, blk))
     cr = gl.arange(0, _DPE, layout=gl.SliceLayout(0, blk))
@@ -35,9 +36,11 @@ def _gather_tile(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, c,
     ok = (idx >= 0) & (idx < N)
     base = kv_ptr + gl.where(ok, idx, 0).to(gl.int64)[:, None] * stride_kvn
     mbarrier.wait(empty.index(st), ((c // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
-    async_copy.async_copy_global_to_shared(ring_v.index(st), base + cv[None, :], mask=ok[:, None])
+    async_copy.async_copy_global_to_shared(ring_v.index(st), base + cv[None, :], mask=ok[:, None],
+                                           eviction_policy=KV_EVICT)
     if HAS_PE:
-        async_copy.async_copy_global_to_shared(ring_r.index(st), base + _DV + cr[None, :], mask=ok[:, None])
+        async_copy.async_copy_global_to_shared(ring_r.index(st), base + _DV + cr[None, :], mask=ok[:, None],
+                                               eviction_policy=KV_EVICT)
     async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
 
 _FP8_CW = gl.constexpr(64)  # NoPE columns per register-path step (4 threads x 16 B per row)
@@ -65,7 +68,7 @@ def _fp8_rows(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, layou
 
 @gluon.jit
 def _gather_tiles_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j0, j1, c0, ring_v, ring_r, ready,
-                      empty, STAGES: gl.constexpr):
+                      empty, STAGES: gl.constexpr, KV_EVICT: gl.constexpr):
     """Tiles j0 .. j1 - 1 of list ``gid`` from an fp8_ds_mla cache into the ring (tile j in stage
     (c0 + j - j0) % STAGES). Cache rows (``sparse_mla.kv_format``): 512 e4m3 NoPE values, 4 fp32 scales at
     byte 512, 64 bf16 RoPE values at byte 528; stride_kvn in bytes. The RoPE part lands by cp.async; the NoPE
@@ -73,7 +76,7 @@ def _gather_tiles_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 
     steps with the loads two steps ahead (a tile's first two steps load before its stage is free), and each
     tile's row ids load one tile ahead (the data loads never wait on an index load).
     One arrive on ``ready`` (count 1) per tile once every producer thread's stores are fenced for wgmma and
-    its copies have landed."""
+    its copies have landed. KV_EVICT: the RoPE copies' eviction policy (as ``_gather_tile``'s)."""
     blk8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, blk8)
     n_steps: gl.constexpr = _DV // _FP8_CW
@@ -86,7 +89,8 @@ def _gather_tiles_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 
         row_n, ok_n = _fp8_rows(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j + 1, rows_l)
         mbarrier.wait(empty.index(st), (((c0 + j - j0) // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
         rope = (row + _FP8_ROPE).to(gl.pointer_type(gl.bfloat16), bitcast=True)  # 2 x 16 B per thread
-        async_copy.async_copy_global_to_shared(ring_r.index(st), rope[:, None] + cols[None, :], mask=ok[:, None])
+        async_copy.async_copy_global_to_shared(ring_r.index(st), rope[:, None] + cols[None, :], mask=ok[:, None],
+                                               eviction_policy=KV_EVICT)
         async_copy.commit_group()
         dst = ring_v.index(st)
         for k in gl.static_range(0, n_steps, 2):
@@ -112,7 +116,7 @@ def _gather_tiles_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 
 def _producer_loop(q_ptr, kv_ptr, rows_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, stride_qt, stride_qh,
                    stride_kvn, row_stride, N, H, K, m_blocks, group_heads, has_nrows, has_route, num_work, q_v, q_r,
                    ring_v, ring_r, ready, empty, q_bars, num_splits, GROUPED: gl.constexpr, HAS_PE: gl.constexpr,
-                   STAGES: gl.constexpr, KV_FP8: gl.constexpr, KV_SPLIT: gl.constexpr):
+                   STAGES: gl.constexpr, KV_FP8: gl.constexpr, KV_SPLIT: gl.constexpr, KV_EVICT: gl.constexpr):
     """Persistent producer: per work item, the first STAGES tiles (they may land while the consumers finish the
     previous item), then Q (once the consumers freed it: q_bars[1]; landed: q_bars[0]), then the other tiles."""
     c = 0
@@ -127,21 +131,21 @@ def _producer_loop(q_ptr, kv_ptr, rows_ptr, nrows_ptr, gstart_ptr, glen_ptr, rou
             n_pre = gl.minimum(n_tiles, STAGES)
             if KV_FP8:
                 _gather_tiles_fp8(kv_ptr, rows_w, row_stride, stride_kvn, N, gid, n_rows, 0, n_pre, c, ring_v, ring_r,
-                                  ready, empty, STAGES)
+                                  ready, empty, STAGES, KV_EVICT)
             else:
                 for j in range(n_pre):
                     _gather_tile(kv_ptr, rows_w, row_stride, stride_kvn, N, gid, n_rows, j, c + j, ring_v, ring_r,
-                                 ready, empty, HAS_PE, STAGES)
+                                 ready, empty, HAS_PE, STAGES, KV_EVICT)
             mbarrier.wait(q_bars.index(1), (it & 1) ^ 1)  # Q buffer free (a fresh barrier passes parity 1)
             _issue_q(q_ptr, q_v, q_r, stride_qt, stride_qh, mb, tok0, H, n_heads, GROUPED, HAS_PE)
             async_copy.mbarrier_arrive(q_bars.index(0), increment_count=False)
             if KV_FP8:
                 _gather_tiles_fp8(kv_ptr, rows_w, row_stride, stride_kvn, N, gid, n_rows, n_pre, n_tiles, c + n_pre,
-                                  ring_v, ring_r, ready, empty, STAGES)
+                                  ring_v, ring_r, ready, empty, STAGES, KV_EVICT)
             else:
                 for j in range(n_pre, n_tiles):
                     _gather_tile(kv_ptr, rows_w, row_stride, stride_kvn, N, gid, n_rows, j, c + j, ring_v, ring_r,
-                                 ready, empty, HAS_PE, STAGES)
+                                 ready, empty, HAS_PE, STAGES, KV_EVICT)
             c += n_tiles
             it += 1
 
@@ -279,7 +283,7 @@ def sparse_mqa_sm90_kernel(
     sink_ptr, maxl_ptr, stride_mt, has_sink, has_maxl, num_work, num_splits,
     GROUPED: gl.constexpr, HAS_PE: gl.constexpr, STAGES: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, ABLATE: gl.constexpr, O_VIA_SMEM: gl.constexpr,
-    KV_FP8: gl.constexpr, KV_SPLIT: gl.constexpr, num_warps: gl.constexpr,
+    KV_FP8: gl.constexpr, KV_SPLIT: gl.constexpr, KV_EVICT: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Work items (list, m-block) w = 0 .. num_work - 1, the m-blocks of a list adjacent (they share its rows
     in L2); CTA p takes w = p, p + grid, ... (persistent when the grid is smaller than num_work: the next item's
@@ -320,5 +324,5 @@ def sparse_mqa_sm90_kernel(
         (_producer_loop, (q_ptr, kv_ptr, rows_ptr, nrows_ptr, gstart_ptr, glen_ptr, route_ptr, stride_qt, stride_qh,
                           stride_kvn, row_stride, N, H, K, m_blocks, group_heads, has_nrows, has_route, num_work,
                           q_v, q_r, ring_v, ring_r, ready, empty, q_bars, num_splits, GROUPED, HAS_PE, STAGES,
-                          KV_FP8, KV_SPLIT)),
+                          KV_FP8, KV_SPLIT, KV_EVICT)),
     ], [PRODUCER_WARPS], [PRODUCER_REGS])
