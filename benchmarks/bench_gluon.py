@@ -51,14 +51,20 @@ def causal_uniform(T, K, N, P0, dev):
     return idx
 
 
+_UNMARKED: set = set()  # --pair schedules from before the kv copies' L2 hint (nothing for +l2 to hint)
+
+
 def use(name):
     """'gluon_sm90:<schedule>[+l2]' or a backend name: set the backend (and the Gluon schedule) for the next calls;
     ``+l2`` gathers kv rows with FlashMLA's cp.async L2 hints (``SPARSE_MLA_GLUON_KV_L2=evict_last``), a separately
-    compiled variant, so ``gluon_sm90:pair`` and ``gluon_sm90:pair+l2`` are a same-process A/B."""
+    compiled variant, so ``gluon_sm90:pair`` and ``gluon_sm90:pair+l2`` are a same-process A/B. A name without
+    ``+l2`` runs without the hints, whatever the environment says: each row names its variant."""
     backend, _, schedule = name.partition(":")
     schedule, plus, hint = schedule.partition("+")
     if plus and (backend != "gluon_sm90" or hint != "l2"):
         raise SystemExit(f"--backends: only gluon_sm90:<schedule>+l2 takes a '+' suffix, got {name!r}")
+    if plus and schedule in _UNMARKED:
+        raise SystemExit(f"--backends: {name!r}: that --pair file predates the L2 hint, so +l2 would time it unhinted")
     os.environ[backends.ENV_VAR] = backend
     if schedule:
         gluon_sm90.config.SCHEDULE = schedule
@@ -84,6 +90,7 @@ def register_pair(name, path):
         if src.count(marker) != 1:
             raise SystemExit(f"--pair {name}: {path} has no KV_EVICT parameter and no kernel line {marker!r} to add it to")
         src = src.replace(marker, "KV_SPLIT: gl.constexpr, KV_EVICT: gl.constexpr, num_warps: gl.constexpr,")
+        _UNMARKED.add(f"pair@{name}")
         path = os.path.join(tempfile.mkdtemp(prefix="bench_gluon_"), os.path.basename(path))
         with open(path, "w") as f:
             f.write(src)

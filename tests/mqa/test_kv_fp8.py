@@ -21,14 +21,14 @@ from testlib.adversarial import garbage_topk_length
 from testlib.device import DEVICE, DTYPE
 from testlib.fp8 import FMT, FP8, fp8_problem, layer_inputs, run_fp8_checked, spread_kv
 from testlib.problems import cu_seqlens, neighbour_rows, poisoned_out
-from testlib.sm90 import run_sm90_compile
+from testlib.sm90 import hinted_kernels, run_sm90_compile
 from testlib.tolerances import (
     all_of,
     assert_matches_reference,
     assert_same_result,
 )
 
-from sparse_mla import dsa_prefill, sparse_mla_fwd, sparse_mla_ref
+from sparse_mla import call_cache, dsa_prefill, sparse_mla_fwd, sparse_mla_ref
 from sparse_mla.layer.checks import validate_dsa_prefill_args
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -407,10 +407,12 @@ def test_gluon_fp8_kv_l2_hints_change_no_bit(monkeypatch, gluon_launches):
     outs = []
     for mode in gluon_sm90.config.KV_L2_MODES:
         monkeypatch.setattr(gluon_sm90.config, "KV_L2", mode)
+        call_cache.invalidate()  # a knob changed at run time: no replay of the other mode's launches
         out, lse, _, _ = _fp8_backend_pair(monkeypatch, q, cache, idx, 576**-0.5, method="per_token")
         outs.append((out.clone(), lse.clone()))
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     assert torch.uint8 in gluon_launches, "the Gluon FP8 variant did not run"
+    assert hinted_kernels(gluon_sm90.schedule_for(True)) > 0, "no kernel with the L2-hinted copies was compiled"
 
 
 @pytest.mark.gpu

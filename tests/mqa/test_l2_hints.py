@@ -56,14 +56,25 @@ define void @sparse_mqa_sm90_pair_kernel(ptr addrspace(1) %0) !dbg !5 {{
 
 
 def test_marked_copy_locations_are_the_innermost_source_locations():
-    assert l2_hints.marked_copy_locations(TTGIR) == {("pair.py", 115, 60), ("pair.py", 122, 64)}
+    assert l2_hints.copy_locations(TTGIR) == ({("pair.py", 115, 60), ("pair.py", 122, 64)}, {("common.py", 124, 4)})
     assert l2_hints.marked_copy_locations(TTGIR.replace("evictionPolicy = evict_last", "")) == set()
+
+
+def test_a_marked_copy_the_rewrite_cannot_place_is_an_error():
+    # no source location (TRITON_DISABLE_LINE_INFO=1 leaves loc(unknown)): raise, never run unhinted
+    no_loc = TTGIR.replace("loc(#loc5)", "loc(#loc)").replace("} loc(#loc)\n} loc(#loc)", "}\n}") + "#loc = loc(unknown)\n"
+    with pytest.raises(RuntimeError, match="TRITON_DISABLE_LINE_INFO"):
+        l2_hints.copy_locations(no_loc)
+    # the same location marked and unmarked (a helper inlined with and without the policy)
+    shared = TTGIR.replace('loc("/src/sparse_mla/mqa/gluon_sm90/common.py":124:4)', "loc(#loc3)")
+    with pytest.raises(RuntimeError, match="share the source locations"):
+        l2_hints.copy_locations(shared)
 
 
 def test_patch_rewrites_exactly_the_marked_copies_with_one_policy_per_block():
     marked = l2_hints.marked_copy_locations(TTGIR)
-    out, n = l2_hints.patch_llir(LLIR, marked)
-    assert n == 3
+    out, counts = l2_hints.patch_llir(LLIR, marked)
+    assert counts == {("pair.py", 115, 60): 2, ("pair.py", 122, 64): 1}
     lines = out.splitlines()
     hinted = [ln for ln in lines if l2_hints.HINTED_COPY in ln]
     assert len(hinted) == 3
@@ -84,9 +95,10 @@ def test_patch_rewrites_exactly_the_marked_copies_with_one_policy_per_block():
 
 
 def test_patch_without_marks_or_matches_changes_nothing():
-    assert l2_hints.patch_llir(LLIR, set()) == (LLIR, 0)
-    assert l2_hints.patch_llir(LLIR, {("pair.py", 999, 1)}) == (LLIR, 0)
-    assert l2_hints.patch_llir(LLIR, {("split.py", 115, 60)}) == (LLIR, 0)  # same line and column, other file
+    assert l2_hints.patch_llir(LLIR, set()) == (LLIR, {})
+    assert l2_hints.patch_llir(LLIR, {("pair.py", 999, 1)}) == (LLIR, {("pair.py", 999, 1): 0})
+    other_file = ("split.py", 115, 60)  # same line and column, other file
+    assert l2_hints.patch_llir(LLIR, {other_file}) == (LLIR, {other_file: 0})
 
 
 class _Module:
@@ -117,9 +129,16 @@ def test_hook_rewrites_only_the_package_kernels(monkeypatch):
     assert stage(_Module(other), {}) == LLIR
 
 
-def test_hook_raises_when_marked_copies_vanish(monkeypatch):
+def test_hook_raises_when_a_marked_copy_is_missed(monkeypatch):
+    """Every marked location must be rewritten somewhere: none (no debug locations in the LLVM IR) or one of two
+    (its copy lowered in another form) raises."""
     stage = _stage_of(monkeypatch, lambda src, metadata: re.sub(r", !dbg !\d+", "", LLIR))
-    with pytest.raises(RuntimeError, match="SPARSE_MLA_GLUON_KV_L2"):
+    with pytest.raises(RuntimeError, match=r"\('pair.py', 115, 60\), \('pair.py', 122, 64\)"):
+        stage(_Module(TTGIR), {})
+    other_form = LLIR.replace(_COPY.format(s=14, g=15, n=13, dbg=21), _COPY.format(s=14, g=15, n=13, dbg=21).replace(
+        "0x10", "0x8"))
+    stage = _stage_of(monkeypatch, lambda src, metadata: other_form)
+    with pytest.raises(RuntimeError, match=r"\[\('pair.py', 122, 64\)\]"):
         stage(_Module(TTGIR), {})
 
 
@@ -155,5 +174,29 @@ def test_unknown_mode_is_a_clear_error(monkeypatch):
     with pytest.raises(ValueError, match="SPARSE_MLA_GLUON_KV_L2 must be one of"):
         config.variant_constexprs(False, True, "pair")
     monkeypatch.setattr(config, "KV_L2", "evict_last")
-    assert config.variant_constexprs(False, True, "pair")["KV_EVICT"] == "evict_last"
-    assert config.variant_constexprs(True, True, "split", kv_fp8=True)["KV_EVICT"] == "evict_last"
+    assert config.variant_constexprs(False, True, "pair")["KV_EVICT"] == l2_hints.REWRITE_ID > 0
+    assert config.variant_constexprs(True, True, "split", kv_fp8=True)["KV_EVICT"] == l2_hints.REWRITE_ID
+    monkeypatch.setattr(config, "KV_L2", "off")
+    assert config.variant_constexprs(False, True, "pair")["KV_EVICT"] == 0
+
+
+@pytest.mark.parametrize("mode", ["off", "evict_last"])
+def test_every_constexpr_is_a_replayable_launch_argument(monkeypatch, mode):
+    """The constexprs go into every recorded launch (``LaunchCache``), and ``sparse_mla.call_cache`` replays only
+    launches whose non-tensor arguments are None / int / float / bool: a str there would turn replay off for every
+    Gluon call."""
+    from sparse_mla.mqa.gluon_sm90 import config
+
+    monkeypatch.setattr(config, "KV_L2", mode)
+    for v in config.all_variants():
+        grouped, has_pe, _, schedule, kv_fp8, kv_split = v
+        cx = config.variant_constexprs(grouped, has_pe, schedule, kv_fp8, kv_split)
+        assert all(x is None or type(x) in (int, float, bool) for x in cx.values()), (v, cx)
+
+
+def test_rewrite_id_is_a_digest_of_the_rewrite():
+    """A change of l2_hints.py changes the marked variants' constexpr, hence their Triton cache key."""
+    import hashlib
+
+    with open(l2_hints.__file__, "rb") as f:
+        assert l2_hints.REWRITE_ID == int(hashlib.sha1(f.read()).hexdigest()[:7], 16) | 1

@@ -44,3 +44,13 @@ def run_sm90_compile(script: str, what: str) -> list:
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
     assert r.returncode == 0, f"compile script for {what} failed:\n{r.stderr[-4000:]}"
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def hinted_kernels(schedule: str) -> int:
+    """Compiled variants of ``schedule``'s Gluon kernel in this process (Triton 3.6's JIT cache: ``device_caches``)
+    whose PTX has the L2-hinted kv copies (``sparse_mla.mqa.gluon_sm90.l2_hints``)."""
+    from sparse_mla.mqa.gluon_sm90 import l2_hints, launcher
+
+    fn = launcher._kernel_for(schedule)
+    return sum(l2_hints.HINTED_COPY in k.asm.get("ptx", "") for caches in fn.device_caches.values()
+               for k in caches[0].values())

@@ -24,6 +24,12 @@ def _tile_rows(rows_ptr, row_stride, gid, n_rows, j, layout: gl.constexpr):
     pos = j * _BN + gl.arange(0, _BN, layout=layout)
     return gl.load(rows_ptr + gid.to(gl.int64) * row_stride + pos, mask=pos < n_rows, other=-1)
 
+@gluon.constexpr_function
+def _kv_policy(kv_evict):
+    """The eviction policy of the kv-row copies for the constexpr KV_EVICT: "evict_last" when nonzero (a marked
+    variant, made an L2 hint by ``l2_hints``), else none."""
+    return "evict_last" if kv_evict else ""
+
 @gluon.jit
 def _pseudo_heads(mb, tok0, H, layout: gl.constexpr, GROUPED: gl.constexpr):
     """The 64 pseudo-heads of m-block mb in ``layout`` (a [64] slice layout): (p, token, head); grouped,

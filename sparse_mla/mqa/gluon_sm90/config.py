@@ -6,6 +6,7 @@ the launcher and the ahead-of-time compile read them as ``config.X``, so a patch
 from __future__ import annotations
 
 from ... import env
+from . import l2_hints
 
 LOG2E = 1.4426950408889634
 BLOCK_H = 64  # pseudo-heads per CTA (wgmma M)
@@ -36,9 +37,9 @@ O_VIA_SMEM = env.get(env.GLUON_O_VIA_SMEM) == "1"
 # Both schedules: one CTA per SM looping over the work items (the next item's first tiles land during this one's
 # epilogue) instead of one CTA per item.
 PERSISTENT = env.get(env.GLUON_PERSISTENT) == "1"
-# L2 hints on the kv-row cp.async copies (SPARSE_MLA_GLUON_KV_L2): "evict_last" marks them (constexpr KV_EVICT) and
-# l2_hints rewrites them to FlashMLA's L2::cache_hint.L2::256B form under an evict_last policy; "off" (the default)
-# keeps plain cp.async. Not yet timed on a GPU (docs/notes/attention-gluon.md).
+# L2 hints on the kv-row cp.async copies (SPARSE_MLA_GLUON_KV_L2): "evict_last" marks them (constexpr KV_EVICT =
+# l2_hints.REWRITE_ID) and l2_hints rewrites them to FlashMLA's L2::cache_hint.L2::256B form under an evict_last
+# policy; "off" (the default, KV_EVICT = 0) keeps plain cp.async. Not yet timed on a GPU (docs/notes/attention-gluon.md).
 KV_L2_MODES = ("off", "evict_last")
 KV_L2 = env.get(env.GLUON_KV_L2)
 PAIR_CONSUMER_REGS = 232  # each consumer warpgroup; the producer (the default partition) gets what is left
@@ -77,7 +78,7 @@ def variant_constexprs(grouped: bool, has_pe: bool, schedule: str | None = None,
         raise ValueError(kv_split_missing(grouped, kv_fp8))
     if KV_L2 not in KV_L2_MODES:
         raise ValueError(f"SPARSE_MLA_GLUON_KV_L2 must be one of {KV_L2_MODES}, got {KV_L2!r}")
-    kv_evict = "evict_last" if KV_L2 == "evict_last" else ""
+    kv_evict = l2_hints.REWRITE_ID if KV_L2 == "evict_last" else 0
     if (schedule or schedule_for(kv_fp8)) == "split":
         return dict(GROUPED=grouped, HAS_PE=has_pe, STAGES=STAGES, PRODUCER_WARPS=PRODUCER_WARPS,
                     PRODUCER_REGS=FP8_PRODUCER_REGS if kv_fp8 else PRODUCER_REGS, ABLATE=ABLATE,

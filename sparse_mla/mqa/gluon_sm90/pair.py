@@ -15,6 +15,7 @@ from .common import (  # noqa: F401
     _issue_q,
     _item_outputs,
     _item_rows,
+    _kv_policy,
     _pseudo_heads,
     _resolve_work,
     _tile_rows,
@@ -100,7 +101,7 @@ def _pair_qk_rope(q_r, ring_r, st, z, s):
 def _pair_gather(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, i, k, ring_l, ring_h, ring_r, hb,
                  HAS_PE: gl.constexpr, KV_EVICT: gl.constexpr):
     """Tiles 2i, 2i + 1 of list ``gid`` (the CTA's pair k) as half tiles, in the order the consumers free them:
-    L0, R1, R0, L1. KV_EVICT: the copies' eviction policy ("" or "evict_last", made an L2 hint by ``l2_hints``)."""
+    L0, R1, R0, L1. KV_EVICT: nonzero marks the copies for the L2 hint (``common._kv_policy``, ``l2_hints``)."""
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     ch = gl.arange(0, 256, layout=gl.SliceLayout(0, blk))
     cr = gl.arange(0, _DPE, layout=gl.SliceLayout(0, blk))
@@ -113,25 +114,25 @@ def _pair_gather(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, i, k,
     base1 = kv_ptr + gl.where(ok1, idx1, 0).to(gl.int64)[:, None] * stride_kvn
     mbarrier.wait(hb.index(4), ph)  # L0 free
     async_copy.async_copy_global_to_shared(ring_l.index(0), base0 + ch[None, :], mask=ok0[:, None],
-                                           eviction_policy=KV_EVICT)
+                                           eviction_policy=_kv_policy(KV_EVICT))
     async_copy.mbarrier_arrive(hb.index(0), increment_count=False)
     mbarrier.wait(hb.index(7), ph)  # R1 free
     async_copy.async_copy_global_to_shared(ring_h.index(1), base1 + 256 + ch[None, :], mask=ok1[:, None],
-                                           eviction_policy=KV_EVICT)
+                                           eviction_policy=_kv_policy(KV_EVICT))
     if HAS_PE:
         async_copy.async_copy_global_to_shared(ring_r.index(1), base1 + _DV + cr[None, :], mask=ok1[:, None],
-                                               eviction_policy=KV_EVICT)
+                                               eviction_policy=_kv_policy(KV_EVICT))
     async_copy.mbarrier_arrive(hb.index(3), increment_count=False)
     mbarrier.wait(hb.index(6), ph)  # R0 free
     async_copy.async_copy_global_to_shared(ring_h.index(0), base0 + 256 + ch[None, :], mask=ok0[:, None],
-                                           eviction_policy=KV_EVICT)
+                                           eviction_policy=_kv_policy(KV_EVICT))
     if HAS_PE:
         async_copy.async_copy_global_to_shared(ring_r.index(0), base0 + _DV + cr[None, :], mask=ok0[:, None],
-                                               eviction_policy=KV_EVICT)
+                                               eviction_policy=_kv_policy(KV_EVICT))
     async_copy.mbarrier_arrive(hb.index(2), increment_count=False)
     mbarrier.wait(hb.index(5), ph)  # L1 free
     async_copy.async_copy_global_to_shared(ring_l.index(1), base1 + ch[None, :], mask=ok1[:, None],
-                                           eviction_policy=KV_EVICT)
+                                           eviction_policy=_kv_policy(KV_EVICT))
     async_copy.mbarrier_arrive(hb.index(1), increment_count=False)
 
 @gluon.jit

@@ -15,6 +15,7 @@ from .common import (  # noqa: F401
     _issue_q,
     _item_outputs,
     _item_rows,
+    _kv_policy,
     _pseudo_heads,
     _resolve_work,
     _tile_rows,
@@ -26,8 +27,8 @@ from .signature import DO_NOT_SPECIALIZE
 @gluon.jit
 def _gather_tile(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, c, ring_v, ring_r, ready, empty,
                  HAS_PE: gl.constexpr, STAGES: gl.constexpr, KV_EVICT: gl.constexpr):
-    """Tile j of list ``gid`` into stage c % STAGES (c: the CTA's running tile count, for the phase). KV_EVICT: the
-    copies' eviction policy ("" or "evict_last", made an L2 hint by ``l2_hints``)."""
+    """Tile j of list ``gid`` into stage c % STAGES (c: the CTA's running tile count, for the phase). KV_EVICT: nonzero
+    marks the copies for the L2 hint (``common._kv_policy``, ``l2_hints``)."""
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     cv = gl.arange(0, _DV, layout=gl.SliceLayout(0, blk))
     cr = gl.arange(0, _DPE, layout=gl.SliceLayout(0, blk))
@@ -37,10 +38,10 @@ def _gather_tile(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, j, c,
     base = kv_ptr + gl.where(ok, idx, 0).to(gl.int64)[:, None] * stride_kvn
     mbarrier.wait(empty.index(st), ((c // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
     async_copy.async_copy_global_to_shared(ring_v.index(st), base + cv[None, :], mask=ok[:, None],
-                                           eviction_policy=KV_EVICT)
+                                           eviction_policy=_kv_policy(KV_EVICT))
     if HAS_PE:
         async_copy.async_copy_global_to_shared(ring_r.index(st), base + _DV + cr[None, :], mask=ok[:, None],
-                                               eviction_policy=KV_EVICT)
+                                               eviction_policy=_kv_policy(KV_EVICT))
     async_copy.mbarrier_arrive(ready.index(st), increment_count=False)
 
 _FP8_CW = gl.constexpr(64)  # NoPE columns per register-path step (4 threads x 16 B per row)
@@ -76,7 +77,7 @@ def _gather_tiles_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 
     steps with the loads two steps ahead (a tile's first two steps load before its stage is free), and each
     tile's row ids load one tile ahead (the data loads never wait on an index load).
     One arrive on ``ready`` (count 1) per tile once every producer thread's stores are fenced for wgmma and
-    its copies have landed. KV_EVICT: the RoPE copies' eviction policy (as ``_gather_tile``'s)."""
+    its copies have landed. KV_EVICT: marks the RoPE copies (as ``_gather_tile``'s)."""
     blk8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [gl.num_warps(), 1], [1, 0])
     rows_l: gl.constexpr = gl.SliceLayout(1, blk8)
     n_steps: gl.constexpr = _DV // _FP8_CW
@@ -90,7 +91,7 @@ def _gather_tiles_fp8(kv_ptr, rows_ptr, row_stride, stride_kvn, N, gid, n_rows, 
         mbarrier.wait(empty.index(st), (((c0 + j - j0) // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
         rope = (row + _FP8_ROPE).to(gl.pointer_type(gl.bfloat16), bitcast=True)  # 2 x 16 B per thread
         async_copy.async_copy_global_to_shared(ring_r.index(st), rope[:, None] + cols[None, :], mask=ok[:, None],
-                                               eviction_policy=KV_EVICT)
+                                               eviction_policy=_kv_policy(KV_EVICT))
         async_copy.commit_group()
         dst = ring_v.index(st)
         for k in gl.static_range(0, n_steps, 2):
