@@ -24,10 +24,11 @@ from sparse_mla.mqa.gluon_sm90 import l2_hints
 HINTED = l2_hints.HINTED_COPY
 rows = []
 # every variant, then the L2_VARIANTS again with their kv copies hinted (SPARSE_MLA_GLUON_KV_L2=evict_last)
-for v, mode in [(v, "off") for v in g.all_variants()] + [(tuple(v), "evict_last") for v in L2_VARIANTS]:
+for v, mode, wide in ([(v, "off", False) for v in g.all_variants()] + [(tuple(v), "evict_last", False) for v in L2_VARIANTS]
+                      + [(tuple(v), "off", True) for v in WIDE_N_VARIANTS]):
     g.config.KV_L2 = mode
     try:
-        k = g.compile_variant(*v)
+        k = g.compile_variant(*v, wide_n=wide)
     except Exception as exc:
         rows.append(dict(variant=list(v), error=f"{type(exc).__name__}: {str(exc)[-2000:]}"))
         continue
@@ -42,7 +43,8 @@ for v, mode in [(v, "off") for v in g.all_variants()] + [(tuple(v), "evict_last"
                           text=True).stdout
     rows.append(dict(variant=list(v), shared=k.metadata.shared, spills=spills, triton=triton.__version__,
                      hot_local=hot_local_accesses(sass), e4m3_cvt="cvt.rn.f16x2.e4m3x2" in k.asm["ptx"],
-                     kv_l2=g.config.KV_L2, plain_copies=len(re.findall(r"cp\.async\.cg\.shared\.global \[", k.asm["ptx"])),
+                     kv_l2=g.config.KV_L2, wide_n=wide,
+                     plain_copies=len(re.findall(r"cp\.async\.cg\.shared\.global \[", k.asm["ptx"])),
                      hinted_copies=k.asm["ptx"].count(HINTED), ltc256b_sass=sass.count("LDGSTS.E.BYPASS.LTC256B.128")))
 print(json.dumps(rows))
 """
@@ -82,8 +84,11 @@ _SCRIPT = _SCRIPT.replace("rows = []", _SASS_SCAN + "\ncuobjdump = ptxas[:-len('
 L2_VARIANTS = [(False, True, "bf16", "pair", False, False), (True, False, "fp16", "pair", False, False),
                (False, True, "bf16", "split", False, False), (False, True, "fp16", "split", False, True),
                (True, True, "bf16", "split", True, False)]
+# And with N typed int64 (a cache of 2**31 rows or more: launcher._N_ARG), both schedules, per token and grouped.
+WIDE_N_VARIANTS = [(False, True, "bf16", "pair", False, False), (True, True, "bf16", "pair", False, False),
+                   (False, True, "bf16", "split", False, False)]
 _SCRIPT = _SCRIPT.replace("from sparse_mla.mqa import gluon_sm90 as g", "from sparse_mla.mqa import gluon_sm90 as g\n"
-                          f"L2_VARIANTS = {L2_VARIANTS!r}")
+                          f"L2_VARIANTS = {L2_VARIANTS!r}\nWIDE_N_VARIANTS = {WIDE_N_VARIANTS!r}")
 
 
 @pytest.fixture(scope="module")
@@ -93,8 +98,19 @@ def compiled_all():
 
 @pytest.fixture(scope="module")
 def compiled(compiled_all):
-    """The rows of every variant as the package launches it by default (plain cp.async)."""
-    return [r for r in compiled_all if r.get("kv_l2", "off") == "off"]
+    """The rows of every variant as the package launches it by default (plain cp.async, N int32)."""
+    return [r for r in compiled_all if r.get("kv_l2", "off") == "off" and not r.get("wide_n")]
+
+
+def test_wide_n_variants_compile_without_spilling_in_loops(compiled_all):
+    """A launch over a cache of 2**31 rows or more types N int64 (a separate compile): it compiles, within the spill
+    budget, none in a tile loop."""
+    wide = [r for r in compiled_all if r.get("wide_n")]
+    assert len(wide) == len(WIDE_N_VARIANTS)
+    for row in wide:
+        assert "error" not in row, f"{row['variant']}: {row.get('error')}"
+        assert row["spills"] is not None and row["spills"] <= SPILL_BUDGET, row
+        assert not row["hot_local"], f"{row['variant']}: local-memory accesses in a tile loop: {row['hot_local']}"
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,11 @@ from .signature import ALIGNED_ARGS, ARG_NAMES, aot_signature
 
 
 def compile_variant(grouped: bool, has_pe: bool, dtype: str, schedule: str, kv_fp8: bool = False, kv_split: bool = False,
-                    arch: int = 90):
+                    arch: int = 90, wide_n: bool = False):
     """Compile one variant for ``sm_<arch>`` without a GPU (Triton's front end, LLVM and ptxas run on
     the CPU); returns the CompiledKernel (``.metadata.shared`` bytes, ``.n_regs`` / ``.n_spills``
-    where the backend fills them, ``.asm["ptx"]``). Raises whatever Triton raises on an API drift or a
+    where the backend fills them, ``.asm["ptx"]``). ``wide_n``: kv rows N typed int64, as a launch over a cache of
+    2**31 rows or more specializes it (``launcher._N_ARG``). Raises whatever Triton raises on an API drift or a
     resource overflow."""
     if GLUON_IMPORT_ERROR is not None:
         raise RuntimeError(f"Gluon is not importable: {GLUON_IMPORT_ERROR}")
@@ -23,6 +24,8 @@ def compile_variant(grouped: bool, has_pe: bool, dtype: str, schedule: str, kv_f
     from .launcher import _kernel_for
 
     signature = aot_signature(dtype, kv_fp8, kv_split)
+    if wide_n:
+        signature["N"] = "i64"
     cx = config.variant_constexprs(grouped, has_pe, schedule, kv_fp8, kv_split)
     signature.update({k: "constexpr" for k in cx})
     attrs = {(ARG_NAMES.index(n), ): [["tt.divisibility", 16]] for n in ALIGNED_ARGS}
