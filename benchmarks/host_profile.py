@@ -12,6 +12,7 @@ import cProfile
 import io
 import json
 import pstats
+import sys
 
 import torch
 
@@ -115,6 +116,9 @@ def main() -> int:
     ap.add_argument("--sort", default="tottime", help="cProfile sort key (tottime, cumulative)")
     ap.add_argument("--lines", type=int, default=15, help="cProfile lines per call")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("host_profile.py profiles host time around GPU launches: it needs a CUDA GPU", file=sys.stderr)
+        return 2
     rows = []
     for shape in args.shapes.split(","):
         T, H = map(int, shape.split("x"))

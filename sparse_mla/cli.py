@@ -206,8 +206,12 @@ def _bench_torchrun(world: int, model: list[Model] | None, tp: int | None, new_l
     from .bench.shardq import plot_shardq, print_shardq_table, run_shardq_bench
 
     names = [m.value for m in model] if model else list(scenarios.SHARDQ_MODELS)
+    if not on_gpu and os.environ.get("RANK", "0") == "0":
+        typer.secho("No CUDA GPU: ShardQ vs TP at interpreter sizes through the Triton interpreter (fp16); "
+                    "its timings are NOT performance numbers.", fg=typer.colors.YELLOW)
+    tokens = new_list or list(scenarios.SHARDQ_TOKENS if on_gpu else scenarios.CPU_SHARDQ_TOKENS)
     try:  # on a CPU (interpreter, tiny --tokens) ShardQ runs from any token count
-        res = run_shardq_bench([(n, tp) for n in names], new_list or list(scenarios.SHARDQ_TOKENS), topk=topk,
+        res = run_shardq_bench([(n, tp) for n in names], tokens, topk=topk,
                                overlap=overlap, trials=default_trials(trials, on_gpu=on_gpu, torchrun=True), seed=seed,
                                **({} if on_gpu else {"min_tokens": 0}))
     except ValueError as e:  # its argument checks, before any collective

@@ -49,7 +49,7 @@ UNION_SORTED = Switch(
     "SPARSE_MLA_UNION_SORTED", "0", "0, 1", "per call", "sparse_mla.union.backends",
     "`build_group_union` on a GPU that runs the CUDA union builders, with `SPARSE_MLA_UNION_BACKEND` auto: `1` emits "
     "the sorted unions from one kernel "
-    "(`union/cuda_sorted.cu`: its source tested on the CPU, not yet run on a GPU), `0` builds them with the step "
+    "(`sparse_mla/union/cuda_sorted.cu`: its source tested on the CPU, not yet run on a GPU), `0` builds them with the step "
     "builder and sorts them in torch",
     tuning=True)
 GLUON_SCHEDULE = Switch(
@@ -64,7 +64,7 @@ GLUON_PERSISTENT = Switch(
 GLUON_KV_L2 = Switch(
     "SPARSE_MLA_GLUON_KV_L2", "off", "off, evict_last", "at import", "sparse_mla.mqa.gluon_sm90.config",
     "Gluon: `evict_last` gathers kv rows with FlashMLA's cp.async L2 hints (a 256-byte L2 prefetch under an "
-    "evict-last policy, `gluon_sm90/l2_hints.py`; not yet timed on a GPU), `off` with plain cp.async", tuning=True)
+    "evict-last policy, `sparse_mla/mqa/gluon_sm90/l2_hints.py`; not yet timed on a GPU), `off` with plain cp.async", tuning=True)
 GLUON_FP8_PRODUCER_REGS = Switch(
     "SPARSE_MLA_GLUON_FP8_PRODUCER_REGS", "72", "an int", "at import", "sparse_mla.mqa.gluon_sm90.config",
     "Gluon: registers per producer thread of the FP8 (`fp8_ds_mla`) variant", tuning=True)

@@ -38,6 +38,7 @@ time per call of back-to-back calls, the GPU kept busy); the JSON's meta holds `
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -566,6 +567,10 @@ def main(argv: list[str] | None = None) -> int:
         cases = [c for s in (args.suite or ["grouped"]) for c in suite(s)]
     except ValueError as e:
         ap.error(str(e))
+    if not torch.cuda.is_available():
+        print("python -m sparse_mla.bench.op times its suites on a CUDA GPU; on a CPU, `sparse-mla bench --op-suite "
+              "few-token` (or grouped, decode) runs them small through the interpreter", file=sys.stderr)
+        return 2
     calls = tuple(c for c in args.calls.split(",") if c)
     run_suites(cases, json_path=args.json, budget_s=args.budget_s, echo=lambda line: print(line, flush=True),
                calls=calls, trials=args.trials, host=args.host, rep_ms=args.rep_ms, graph=args.graph)

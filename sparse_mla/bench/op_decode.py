@@ -329,3 +329,11 @@ CPU_SUITES = {"decode": cpu_decode_cases}
 __all__ = ["DecodeCase", "SPLITS", "decode_cases", "cpu_decode_cases", "decode_inputs", "decode_calls",
            "run_decode_case", "check_decode", "auto_splits", "split_times", "best_split", "kv_split_points", "fit",
            "poisoned_outputs", "SUITES", "CPU_SUITES"]
+
+
+if __name__ == "__main__":  # a library of the op bench, not a command
+    import sys
+
+    print("sparse_mla.bench.op_decode holds the decode cases of the op bench: run `python -m sparse_mla.bench.op --suite "
+          "decode` (GPU) or `sparse-mla bench --op-suite decode` (CPU)", file=sys.stderr)
+    raise SystemExit(2)

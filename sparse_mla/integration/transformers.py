@@ -64,8 +64,13 @@ def apply(model: torch.nn.Module, *, method: str = "auto") -> Patched:
     Raises (nothing patched then): ValueError for a model with no DSA attention module, a layout the op cannot
     serve (V32 / GLM-5: kv_lora_rank != 512 or qk_rope_head_dim != 64; Glm5Next: kv_lora_rank != 512 or a rope part;
     V4: head_dim != 512 or more than one kv head; a module without the expected projections, rope, indexer or sinks)
-    or transformers older than 5.23; TypeError for weights other than bf16 / fp16. Applying twice leaves one patch."""
-    import transformers
+    or transformers older than 5.23; TypeError for weights other than bf16 / fp16; ImportError without transformers
+    (the ``hf`` extra). Applying twice leaves one patch."""
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError("sparse_mla.integration.transformers.apply needs transformers >= 5.23: "
+                          "pip install 'sparse-mla[hf]'") from exc
 
     version = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
     if version < MIN_TRANSFORMERS:

@@ -73,6 +73,8 @@ def test_every_suite_builds_and_unknown_names_are_named():
         op.suite("sweep", cpu=True)
     with pytest.raises(SystemExit):
         op.main(["--suite", "nope"])
+    if not torch.cuda.is_available():  # a clear message and exit status 2, not a CUDA traceback
+        assert op.main(["--suite", "few-token"]) == 2
     with pytest.raises(ValueError, match="multiple of page"):
         op_decode.DecodeCase(1, 1, 16, cached=100, page=64)
 

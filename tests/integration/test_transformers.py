@@ -382,3 +382,10 @@ def test_import_does_not_import_transformers():
     code = "import sys, sparse_mla.integration.transformers; assert 'transformers' not in sys.modules, 'imported'"
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_apply_without_transformers_names_the_extra(monkeypatch):
+    """Without transformers installed, apply() raises ImportError naming the ``hf`` extra (nothing patched)."""
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` raises ImportError
+    with pytest.raises(ImportError, match=r"sparse-mla\[hf\]"):
+        sparse_hf.apply(torch.nn.Linear(2, 2))

@@ -120,12 +120,32 @@ def test_nope_dense_uses_no_k_concat(monkeypatch):
     assert layer_paths.mha_keys(kvd, None, 256).data_ptr() == kvd.data_ptr()
 
 
-def test_forced_unsupported_path_falls_back_with_warning(caplog):
+def test_forced_unsupported_path_falls_back_with_warning(caplog, monkeypatch):
+    """The fallback warns, and logs at WARNING the first time its reason is seen, at DEBUG on later calls (one WARNING
+    line per reason, not one per layer call)."""
+    from sparse_mla.layer import dispatch
+
+    monkeypatch.setattr(dispatch, "_WARNED", set())
     kw, ref = build(CASES[4])  # windows > topk: dense does not apply
-    with caplog.at_level(logging.WARNING, logger="sparse_mla"), pytest.warns(PathFallbackWarning, match="dense_mha"):
+    with caplog.at_level(logging.DEBUG, logger="sparse_mla"), pytest.warns(PathFallbackWarning, match="dense_mha"):
         o, d = dsa_prefill(**kw, path="dense_mha", return_decision=True)
+        dsa_prefill(**kw, path="dense_mha")
     assert d.fell_back and d.requested == "dense_mha" and d.path != "dense_mha"
-    assert any("fell back" in r.getMessage() for r in caplog.records)
+    fell = [r for r in caplog.records if "fell back" in r.getMessage()]
+    assert [r.levelno for r in fell] == [logging.WARNING, logging.DEBUG]
+    assert_layer_matches(o, ref)
+
+
+def test_unknown_env_path_warns_with_the_names(monkeypatch, caplog):
+    from sparse_mla.layer import dispatch
+
+    monkeypatch.setattr(dispatch, "_WARNED", set())
+    monkeypatch.setenv("SPARSE_MLA_PATH", "dense")
+    kw, ref = build(CASES[1])
+    with caplog.at_level(logging.WARNING, logger="sparse_mla"), pytest.warns(PathFallbackWarning, match="not a path"):
+        o = dsa_prefill(**kw)
+    msg = next(r.getMessage() for r in caplog.records if "not a path" in r.getMessage())
+    assert "(dense_mha, " in msg and "((" not in msg
     assert_layer_matches(o, ref)
 
 
