@@ -210,7 +210,7 @@ def _bench_torchrun(world: int, model: list[Model] | None, tp: int | None, new_l
         typer.secho("No CUDA GPU: ShardQ vs TP at interpreter sizes through the Triton interpreter (fp16); "
                     "its timings are NOT performance numbers.", fg=typer.colors.YELLOW)
     tokens = new_list or list(scenarios.SHARDQ_TOKENS if on_gpu else scenarios.CPU_SHARDQ_TOKENS)
-    try:  # on a CPU (interpreter, tiny --tokens) ShardQ runs from any token count
+    try:  # on a CPU (interpreter sizes) ShardQ runs from any token count
         res = run_shardq_bench([(n, tp) for n in names], tokens, topk=topk,
                                overlap=overlap, trials=default_trials(trials, on_gpu=on_gpu, torchrun=True), seed=seed,
                                **({} if on_gpu else {"min_tokens": 0}))

@@ -569,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(str(e))
     if not torch.cuda.is_available():
         print("python -m sparse_mla.bench.op times its suites on a CUDA GPU; on a CPU, `sparse-mla bench --op-suite "
-              "few-token` (or grouped, decode) runs them small through the interpreter", file=sys.stderr)
+              f"NAME` runs a small form of {', '.join(CPU_SUITES)} through the interpreter", file=sys.stderr)
         return 2
     calls = tuple(c for c in args.calls.split(",") if c)
     run_suites(cases, json_path=args.json, budget_s=args.budget_s, echo=lambda line: print(line, flush=True),

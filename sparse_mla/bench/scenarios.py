@@ -21,7 +21,7 @@ DEFAULT_TP = dict(DEFAULT_MODELS)
 # Under torchrun (ShardQ vs TP on W GPUs, ``sparse_mla.bench.shardq``): models and prompt lengths.
 SHARDQ_MODELS: tuple[str, ...] = ("glm-5", "deepseek-v3.2")
 SHARDQ_TOKENS: tuple[int, ...] = (8192, 16384, 32768, 65536)
-CPU_SHARDQ_TOKENS: tuple[int, ...] = (64, )  # torchrun without a GPU: interpreter sizes
+CPU_SHARDQ_TOKENS: tuple[int, ...] = (64,)  # torchrun without a GPU: interpreter sizes
 # Scenarios small enough for the Triton interpreter on a CPU: a prompt that fits in the top-k
 # (dense-eligible: every list is the whole prefix) and a continuation whose windows exceed it.
 CPU_SHAPES: tuple[tuple[int, int], ...] = ((0, 24), (40, 16))

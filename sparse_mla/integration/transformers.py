@@ -68,7 +68,9 @@ def apply(model: torch.nn.Module, *, method: str = "auto") -> Patched:
     (the ``hf`` extra). Applying twice leaves one patch."""
     try:
         import transformers
-    except ImportError as exc:
+    except ModuleNotFoundError as exc:
+        if exc.name != "transformers":  # installed, but something it imports is missing: its own error
+            raise
         raise ImportError("sparse_mla.integration.transformers.apply needs transformers >= 5.23: "
                           "pip install 'sparse-mla[hf]'") from exc
 

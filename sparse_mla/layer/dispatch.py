@@ -19,11 +19,11 @@ Automatic order (the first that applies wins):
 
 Forcing: ``path=`` (argument) or the environment variable ``SPARSE_MLA_PATH`` (read when the
 argument is None or "auto"). A forced path that does not support the step is **not** an error: the
-automatic choice runs instead, a ``PathFallbackWarning`` is issued (Python shows it once per call site) and
-logged with the reason, at WARNING the first time a reason is seen in the process and at DEBUG after (a server
-calls every layer every step), and the decision records ``fell_back=True``. An unknown name in ``path=`` raises ValueError;
-an unknown name in the environment variable warns and is ignored (a typo in the environment must not
-stop a server).
+automatic choice runs instead, a ``PathFallbackWarning`` is issued and logged with the reason, at WARNING the
+first time that kind of fallback (forced path, its source, the path run instead) happens in the process and at
+DEBUG after (a server calls every layer every step), and the decision records ``fell_back=True``. An unknown
+name in ``path=`` raises ValueError; an unknown name in the environment variable warns and is ignored (a typo in
+the environment must not stop a server).
 """
 
 from __future__ import annotations
@@ -161,18 +161,17 @@ class PathDecision:
         return "\n".join(lines)
 
 
-_WARNED: set[str] = set()  # fallback reasons already logged at WARNING (bounded by _MAX_WARNED)
-_MAX_WARNED = 1024
+_WARNED: set[tuple] = set()  # kinds of fallback already logged at WARNING (a few paths x sources: bounded)
 
 
-def _log_fallback(msg: str) -> None:
-    """The log line of a fallback: WARNING the first time ``msg`` is seen, DEBUG after."""
-    if msg in _WARNED:
+def _log_fallback(kind: tuple, msg: str) -> None:
+    """The log line of a fallback: WARNING the first time its ``kind`` is seen (saying that later ones log at DEBUG),
+    DEBUG after. ``kind`` holds no step-dependent value, so a server gets one WARNING per kind, not one per call."""
+    if kind in _WARNED:
         logger.debug(msg)
         return
-    if len(_WARNED) < _MAX_WARNED:
-        _WARNED.add(msg)
-    logger.warning(msg)
+    _WARNED.add(kind)
+    logger.warning("%s (further fallbacks of this kind are logged at DEBUG)", msg)
 
 
 def _requested(path: str | None) -> tuple[str | None, str]:
@@ -185,7 +184,7 @@ def _requested(path: str | None) -> tuple[str | None, str]:
         return None, ""
     if value not in PATHS:
         msg = f"{ENV_VAR}={value!r} is not a path ({', '.join(PATH_NAMES)}); ignoring it"
-        _log_fallback(msg)
+        _log_fallback(("unknown", value), msg)
         warnings.warn(msg, PathFallbackWarning, stacklevel=4)
         return None, ""
     return value, f"{ENV_VAR}="
@@ -263,7 +262,7 @@ def explain(step: PrefillStep, path: str | None = None, *, describe_backends: bo
         path: None or "auto" (automatic, or the environment variable if set), or a path name.
         describe_backends: fill ``attention_backend`` / ``union_backend`` (device queries and string
             building: ~0.1 ms of host time, which ``dsa_prefill``'s own call skips).
-        log: the one log line of a ``dsa_prefill`` call: DEBUG, or WARNING (the first time a reason is seen: module
+        log: the one log line of a ``dsa_prefill`` call: DEBUG, or WARNING (the first fallback of its kind: module
             docstring) and a ``PathFallbackWarning`` when a forced path fell back. Without it nothing is logged or
             warned, except for an unknown name in the environment variable.
 
@@ -293,7 +292,7 @@ def explain(step: PrefillStep, path: str | None = None, *, describe_backends: bo
             why = f"forced {requested} ({source}) does not support the step: {sup[requested][1]}; fell back to {name}: {why}"
         d = PathDecision(name, why, requested, requested is not None, sup, ratio, backend, union)
     if log and d.fell_back:
-        _log_fallback(f"dsa_prefill: {d.reason}")
+        _log_fallback(("fell back", requested, source, d.path), f"dsa_prefill: {d.reason}")
         warnings.warn(d.reason, PathFallbackWarning, stacklevel=3)
     elif log:
         logger.debug("dsa_prefill: path=%s T=%d H=%d B=%d max_window=%d topk=%d (%s)", d.path, step.num_tokens,

@@ -11,6 +11,7 @@ skipping through the kernel's debug tile counter against ``tile_occupancy``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 
@@ -121,18 +122,21 @@ def test_nope_dense_uses_no_k_concat(monkeypatch):
 
 
 def test_forced_unsupported_path_falls_back_with_warning(caplog, monkeypatch):
-    """The fallback warns, and logs at WARNING the first time its reason is seen, at DEBUG on later calls (one WARNING
-    line per reason, not one per layer call)."""
+    """The fallback warns, and logs at WARNING the first time its kind (forced path, source, path run) is seen, at
+    DEBUG on later calls, also of other shapes (one WARNING line per kind, not one per layer call)."""
     from sparse_mla.layer import dispatch
 
     monkeypatch.setattr(dispatch, "_WARNED", set())
     kw, ref = build(CASES[4])  # windows > topk: dense does not apply
+    shorter = build(dataclasses.replace(CASES[4], new=(CASES[4].new[0] - 1, )))[0]  # another reason text, same kind
     with caplog.at_level(logging.DEBUG, logger="sparse_mla"), pytest.warns(PathFallbackWarning, match="dense_mha"):
         o, d = dsa_prefill(**kw, path="dense_mha", return_decision=True)
-        dsa_prefill(**kw, path="dense_mha")
+        d2 = dsa_prefill(**shorter, path="dense_mha", return_decision=True)[1]
     assert d.fell_back and d.requested == "dense_mha" and d.path != "dense_mha"
+    assert d2.fell_back and d2.path == d.path and d2.reason != d.reason
     fell = [r for r in caplog.records if "fell back" in r.getMessage()]
     assert [r.levelno for r in fell] == [logging.WARNING, logging.DEBUG]
+    assert "further fallbacks of this kind are logged at DEBUG" in fell[0].getMessage()
     assert_layer_matches(o, ref)
 
 

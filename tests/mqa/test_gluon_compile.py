@@ -22,6 +22,9 @@ from sparse_mla.mqa import gluon_sm90 as g
 ptxas = __import__("os").path.join(__import__("os").path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 from sparse_mla.mqa.gluon_sm90 import l2_hints
 HINTED = l2_hints.HINTED_COPY
+def n_param_bits(ttgir):
+    # the kernel's parameter N in TTGIR ("%N: i32" or "%N: i64")
+    return int(re.search(r"%N: i(\d+)", ttgir).group(1))
 rows = []
 # every variant, then the L2_VARIANTS again with their kv copies hinted (SPARSE_MLA_GLUON_KV_L2=evict_last)
 for v, mode, wide in ([(v, "off", False) for v in g.all_variants()] + [(tuple(v), "evict_last", False) for v in L2_VARIANTS]
@@ -30,7 +33,7 @@ for v, mode, wide in ([(v, "off", False) for v in g.all_variants()] + [(tuple(v)
     try:
         k = g.compile_variant(*v, wide_n=wide)
     except Exception as exc:
-        rows.append(dict(variant=list(v), error=f"{type(exc).__name__}: {str(exc)[-2000:]}"))
+        rows.append(dict(variant=list(v), kv_l2=mode, wide_n=wide, error=f"{type(exc).__name__}: {str(exc)[-2000:]}"))
         continue
     spills = None
     with open("/tmp/sparse_mla_gluon_check.ptx", "w") as f:
@@ -43,7 +46,7 @@ for v, mode, wide in ([(v, "off", False) for v in g.all_variants()] + [(tuple(v)
                           text=True).stdout
     rows.append(dict(variant=list(v), shared=k.metadata.shared, spills=spills, triton=triton.__version__,
                      hot_local=hot_local_accesses(sass), e4m3_cvt="cvt.rn.f16x2.e4m3x2" in k.asm["ptx"],
-                     kv_l2=g.config.KV_L2, wide_n=wide,
+                     kv_l2=g.config.KV_L2, wide_n=wide, n_param_bits=n_param_bits(k.asm["ttgir"]),
                      plain_copies=len(re.findall(r"cp\.async\.cg\.shared\.global \[", k.asm["ptx"])),
                      hinted_copies=k.asm["ptx"].count(HINTED), ltc256b_sass=sass.count("LDGSTS.E.BYPASS.LTC256B.128")))
 print(json.dumps(rows))
@@ -109,6 +112,7 @@ def test_wide_n_variants_compile_without_spilling_in_loops(compiled_all):
     assert len(wide) == len(WIDE_N_VARIANTS)
     for row in wide:
         assert "error" not in row, f"{row['variant']}: {row.get('error')}"
+        assert row["n_param_bits"] == 64, row  # N really is int64 in the compiled kernel
         assert row["spills"] is not None and row["spills"] <= SPILL_BUDGET, row
         assert not row["hot_local"], f"{row['variant']}: local-memory accesses in a tile loop: {row['hot_local']}"
 
