@@ -22,6 +22,9 @@ from sparse_mla.mqa import gluon_sm90 as g
 ptxas = __import__("os").path.join(__import__("os").path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 from sparse_mla.mqa.gluon_sm90 import l2_hints
 HINTED = l2_hints.HINTED_COPY
+import tempfile
+TMP = tempfile.mkdtemp(prefix="sparse_mla_gluon_check_")  # this run's own files: parallel runs must not share them
+PTX, CUBIN = TMP + "/kernel.ptx", TMP + "/kernel.cubin"
 def n_param_bits(ttgir):
     # the kernel's parameter N in TTGIR ("%N: i32" or "%N: i64")
     return int(re.search(r"%N: i(\d+)", ttgir).group(1))
@@ -36,19 +39,19 @@ for v, mode, wide in ([(v, "off", False) for v in g.all_variants()] + [(tuple(v)
         rows.append(dict(variant=list(v), kv_l2=mode, wide_n=wide, error=f"{type(exc).__name__}: {str(exc)[-2000:]}"))
         continue
     spills = None
-    with open("/tmp/sparse_mla_gluon_check.ptx", "w") as f:
+    with open(PTX, "w") as f:
         f.write(k.asm["ptx"])
-    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", "/tmp/sparse_mla_gluon_check.ptx", "-o",
-                        "/tmp/sparse_mla_gluon_check.cubin"], capture_output=True, text=True)
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", PTX, "-o", CUBIN], capture_output=True, text=True)
     found = re.findall(r"(\d+) bytes spill stores", r.stderr)
     spills = int(found[0]) if found else None
-    sass = subprocess.run([cuobjdump, "-sass", "/tmp/sparse_mla_gluon_check.cubin"], capture_output=True,
+    sass = subprocess.run([cuobjdump, "-sass", CUBIN], capture_output=True,
                           text=True).stdout
     rows.append(dict(variant=list(v), shared=k.metadata.shared, spills=spills, triton=triton.__version__,
                      hot_local=hot_local_accesses(sass), e4m3_cvt="cvt.rn.f16x2.e4m3x2" in k.asm["ptx"],
                      kv_l2=g.config.KV_L2, wide_n=wide, n_param_bits=n_param_bits(k.asm["ttgir"]),
                      plain_copies=len(re.findall(r"cp\.async\.cg\.shared\.global \[", k.asm["ptx"])),
                      hinted_copies=k.asm["ptx"].count(HINTED), ltc256b_sass=sass.count("LDGSTS.E.BYPASS.LTC256B.128")))
+__import__("shutil").rmtree(TMP, ignore_errors=True)
 print(json.dumps(rows))
 """
 
