@@ -241,7 +241,7 @@ def bench(
     model: Annotated[list[Model] | None, typer.Option("--model", metavar="MODEL", show_default="glm-5 at TP4 and deepseek-v3.2 at TP8", help="Model layout, repeatable: deepseek-v3.2, glm-5, glm-5.3-flash.")] = None,
     dims: Annotated[list[str] | None, typer.Option(metavar="H,R,NOPE,ROPE,V", show_default="none", help="A custom layout (repeatable): heads, kv_lora_rank, qk_nope, qk_rope, v_head_dim, e.g. 128,512,128,64,128; qk_rope may be 0 (NoPE).")] = None,
     tp: Annotated[int | None, typer.Option(metavar="W", show_default="glm-5 4, deepseek-v3.2 8, others 1; WORLD_SIZE under torchrun", help="Tensor-parallel size: heads per rank = heads / tp on one GPU; under torchrun with W processes, runs ShardQ vs TP on W GPUs (tp must be W).")] = None,
-    tokens: Annotated[str | None, typer.Option(metavar="T[,T...]", show_default="GPU: the default scenarios; CPU: two small ones", help="New (query) tokens per scenario, comma-separated, e.g. 8192,16384.")] = None,
+    tokens: Annotated[str | None, typer.Option(metavar="T[,T...]", show_default="GPU: the default scenarios; CPU: two small ones; torchrun: 8192-65536 on GPUs, 64 on CPUs", help="New (query) tokens per scenario, comma-separated, e.g. 8192,16384.")] = None,
     cached: Annotated[str | None, typer.Option(metavar="C[,C...]", show_default="0", help="Cached prefix tokens, comma-separated (one value for all --tokens, or one per value).")] = None,
     topk: Annotated[int, typer.Option(metavar="K", help="Rows the indexer selects per query (K; capped at 32 without a GPU).")] = 2048,
     overlap: Annotated[str, typer.Option(metavar="PRESET", help="Synthetic top-k preset: high, mid, low (union ratio ~1.2/1.4/1.7 at G=8), none, random.")] = "mid",

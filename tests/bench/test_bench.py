@@ -695,3 +695,26 @@ def test_report_unknown_json_is_a_clear_error(doc, match, tmp_path):
     assert match in out and "Traceback" not in out, out
     if "kind" not in match and "rendered" not in match:  # where the kind is unknown: the list of the known ones
         assert "report renders: layer (sparse-mla bench), shardq (" in out, out
+
+
+@pytest.mark.parametrize("on_gpu", [True, False])
+def test_torchrun_bench_default_tokens_follow_the_device(monkeypatch, on_gpu):
+    """Under torchrun without --tokens: the GPU prompt lengths on a GPU, interpreter sizes (with the banner) on a CPU
+    (the GPU lengths through the interpreter ran for many minutes without output)."""
+    from sparse_mla import cli
+    from sparse_mla.bench import scenarios, shardq
+
+    seen = {}
+
+    def fake_shardq(models, tokens, **kw):
+        seen["tokens"] = list(tokens)
+        return None  # as on a rank other than 0
+
+    monkeypatch.setattr(cli, "_kernel_device", lambda: on_gpu)
+    monkeypatch.setattr(shardq, "run_shardq_bench", fake_shardq)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    res = RUNNER.invoke(app, ["bench"])
+    assert res.exit_code == 0, res.output
+    assert seen["tokens"] == list(scenarios.SHARDQ_TOKENS if on_gpu else scenarios.CPU_SHARDQ_TOKENS)
+    assert ("No CUDA GPU" in res.output) is (not on_gpu)
