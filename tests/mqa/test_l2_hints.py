@@ -57,7 +57,7 @@ define void @sparse_mqa_sm90_pair_kernel(ptr addrspace(1) %0) !dbg !5 {{
 
 def test_marked_copy_locations_are_the_innermost_source_locations():
     assert l2_hints.copy_locations(TTGIR) == ({("pair.py", 115, 60), ("pair.py", 122, 64)}, {("common.py", 124, 4)})
-    assert l2_hints.marked_copy_locations(TTGIR.replace("evictionPolicy = evict_last", "")) == set()
+    assert l2_hints.copy_locations(TTGIR.replace("evictionPolicy = evict_last", ""))[0] == set()
 
 
 def test_a_marked_copy_the_rewrite_cannot_place_is_an_error():
@@ -72,7 +72,7 @@ def test_a_marked_copy_the_rewrite_cannot_place_is_an_error():
 
 
 def test_patch_rewrites_exactly_the_marked_copies_with_one_policy_per_block():
-    marked = l2_hints.marked_copy_locations(TTGIR)
+    marked = l2_hints.copy_locations(TTGIR)[0]
     out, counts = l2_hints.patch_llir(LLIR, marked)
     assert counts == {("pair.py", 115, 60): 2, ("pair.py", 122, 64): 1}
     lines = out.splitlines()

@@ -19,7 +19,7 @@ a source location (``TRITON_DISABLE_LINE_INFO=1``), a marked location with no pl
 one shared with an unmarked copy. Written for Triton 3.6's lowering (``SUPPORTED_TRITON``); Triton 3.9's Gluon takes
 the hint itself (``async_load(..., cache_policy=...)``, docs/notes/attention-gluon.md). The FP8 producer loads its
 NoPE bytes through registers, so only its RoPE copies are hinted.
-The text functions (``marked_copy_locations``, ``patch_llir``) need no GPU and no Triton; tests/mqa/test_l2_hints.py
+The text functions (``copy_locations``, ``patch_llir``) need no GPU and no Triton; tests/mqa/test_l2_hints.py
 checks them, and tests/mqa/test_gluon_compile.py checks the hinted variants' PTX and SASS.
 """
 
@@ -94,12 +94,6 @@ def copy_locations(ttgir: str) -> tuple[set[tuple[str, int, int]], set[tuple[str
         raise RuntimeError(f"SPARSE_MLA_GLUON_KV_L2=evict_last: marked and unmarked copies share the source locations "
                            f"{sorted(marked & unmarked)}")
     return marked, unmarked
-
-
-def marked_copy_locations(ttgir: str) -> set[tuple[str, int, int]]:
-    """The source locations (file basename, line, column) of the TTGIR async copies that carry ``evict_last``
-    (``copy_locations``'s first set; it raises as that does)."""
-    return copy_locations(ttgir)[0]
 
 
 def _llir_location(node: str, meta: dict) -> tuple[str, int, int] | None:
